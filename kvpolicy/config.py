@@ -1,0 +1,75 @@
+"""The user's compression settings: one typed record, validated once, shared by all processes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from kvpolicy.policies import POLICIES
+
+
+class KVPolicyConfigError(ValueError):
+    """A setting that cannot be served; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class KVPolicyConfig:
+    """Options of ``--kv-*`` flags, carried to every process in ``additional_config``."""
+
+    policy: str = "none"
+    budget: int | None = None
+    ratio: float | None = None
+    window: int = 32
+    pool_kernel: int = 7
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+
+    ADDITIONAL_CONFIG_KEY = "kv_policy"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise KVPolicyConfigError(
+                f"unknown --kv-policy {self.policy!r}; choose one of: "
+                + ", ".join(sorted(POLICIES))
+            )
+        if self.budget is not None and self.budget <= 0:
+            raise KVPolicyConfigError(
+                f"--kv-budget must be a positive number of tokens per KV head, got {self.budget}"
+            )
+        if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
+            raise KVPolicyConfigError(
+                f"--kv-ratio is the fraction of prompt tokens kept, in (0, 1]; got {self.ratio}"
+            )
+        if self.budget is not None and self.ratio is not None:
+            raise KVPolicyConfigError("give --kv-budget or --kv-ratio, not both")
+        if self.window <= 0:
+            raise KVPolicyConfigError(f"--kv-window must be positive, got {self.window}")
+        if self.pool_kernel <= 0 or self.pool_kernel % 2 == 0:
+            raise KVPolicyConfigError(
+                f"--kv-pool-kernel must be a positive odd number, got {self.pool_kernel}"
+            )
+        if self.sink_tokens < 0 or self.recent_tokens < 0:
+            raise KVPolicyConfigError("--kv-sink-tokens and --kv-recent-tokens must be >= 0")
+
+    @property
+    def compresses(self) -> bool:
+        """Whether requests leave vLLM's stock layout (anything but ``none``)."""
+        return POLICIES[self.policy].relocates
+
+    def check_model_len(self, max_model_len: int) -> None:
+        if self.budget is not None and self.budget > max_model_len:
+            raise KVPolicyConfigError(
+                f"--kv-budget {self.budget} is larger than --max-model-len {max_model_len}: "
+                "no prompt could be compressed; lower the budget or raise --max-model-len"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "KVPolicyConfig":
+        values = values or {}
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise KVPolicyConfigError(f"unknown kv_policy options: {sorted(unknown)}")
+        return cls(**values)

@@ -1,0 +1,6 @@
+"""Per-(request, layer, kv-head) pages over vLLM blocks. Torch and numpy only; no vLLM, no policy."""
+
+from kvpolicy.paging.layout import PageLayout
+from kvpolicy.paging.page_table import RequestPages, TokenMoves
+
+__all__ = ["PageLayout", "RequestPages", "TokenMoves"]

@@ -1,0 +1,121 @@
+"""Page tables of one request: which pages each (layer, kv head) reads, and how long it is.
+
+vLLM gives a request whole blocks; one block id covers every layer and every
+KV head. Viewing a layer's cache as one-head pages, block ``b`` holds pages
+``b*H .. b*H+H-1`` and any of them may serve any head of that request. A
+relocated request packs each layer's kept tokens densely, head after head,
+into the pages of its first blocks, so the blocks at the end are the ones a
+compressing policy can hand back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class TokenMoves:
+    """One layer's relocation: the token at ``src[i]`` moves to ``dst[i]``.
+
+    Both are one-head page slots (``page * block_size + offset``). Sources and
+    destinations may overlap, so movers read every source before writing.
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+class RequestPages:
+    """Per-(layer, kv head) pages and physical lengths of one request."""
+
+    def __init__(self, num_layers: int, num_heads: int, block_size: int, blocks: Sequence[int]):
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.block_size = block_size
+        self.blocks: list[int] = []
+        self.lengths = np.zeros((num_layers, num_heads), dtype=np.int64)
+        self.head_pages: list[list[list[int]]] = [
+            [[] for _ in range(num_heads)] for _ in range(num_layers)
+        ]
+        self.free: list[list[int]] = [[] for _ in range(num_layers)]
+        self.relocated = [False] * num_layers
+        self.add_blocks(blocks)
+
+    def _pages_of(self, block: int) -> list[int]:
+        return [block * self.num_heads + h for h in range(self.num_heads)]
+
+    def add_blocks(self, blocks: Sequence[int]) -> None:
+        """Blocks vLLM appended to the request: their pages are free in every layer."""
+        for block in blocks:
+            self.blocks.append(int(block))
+            pages = self._pages_of(int(block))
+            for free in self.free:
+                free.extend(pages)
+
+    def _stock_slots(self, head: int, positions: torch.Tensor) -> torch.Tensor:
+        blocks = torch.tensor(self.blocks, dtype=torch.int64)
+        pages = blocks[torch.div(positions, self.block_size, rounding_mode="floor")] * self.num_heads + head
+        return pages * self.block_size + positions % self.block_size
+
+    def _head_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
+        pages = torch.tensor(self.head_pages[layer][head], dtype=torch.int64)
+        return pages[torch.div(positions, self.block_size, rounding_mode="floor")] * self.block_size + (
+            positions % self.block_size
+        )
+
+    def current_slots(self, layer: int, positions: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Where ``positions[h]`` (indices into head h's current sequence) sit now, concatenated.
+
+        Before a layer's first relocation its tokens sit in vLLM's stock layout
+        (token i of head h in page ``blocks[i // bs] * H + h``).
+        """
+        slot_of = self._head_slots if self.relocated[layer] else (lambda _, h, p: self._stock_slots(h, p))
+        return torch.cat([slot_of(layer, h, p.to(torch.int64)) for h, p in enumerate(positions)])
+
+    def relocate(self, layer: int, keep: Sequence[torch.Tensor]) -> TokenMoves:
+        """Keep ``keep[h]`` (indices into head h's current sequence), packed densely from the first page."""
+        src = self.current_slots(layer, keep)
+        pool = [p for block in self.blocks for p in self._pages_of(block)]
+        counts = [int(kept.numel()) for kept in keep]
+        needed = [math.ceil(n / self.block_size) for n in counts]
+        if sum(needed) > len(pool):
+            raise ValueError(f"layer {layer} keeps more tokens than the request's {len(self.blocks)} blocks hold")
+        dst, cursor = [], 0
+        for head, (n, n_pages) in enumerate(zip(counts, needed)):
+            self.head_pages[layer][head] = pool[cursor : cursor + n_pages]
+            self.lengths[layer, head] = n
+            cursor += n_pages
+            dst.append(self._head_slots(layer, head, torch.arange(n, dtype=torch.int64)))
+        self.free[layer] = pool[cursor:]
+        self.relocated[layer] = True
+        return TokenMoves(src, torch.cat(dst))
+
+    def append(self) -> np.ndarray:
+        """Room for one new token in every (layer, head); returns its slots, [layers, heads]."""
+        slots = np.empty_like(self.lengths)
+        for layer in range(self.num_layers):
+            for head in range(self.num_heads):
+                length = int(self.lengths[layer, head])
+                pages = self.head_pages[layer][head]
+                if length == len(pages) * self.block_size:
+                    if not self.free[layer]:
+                        raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
+                    pages.append(self.free[layer].pop(0))
+                slots[layer, head] = pages[length // self.block_size] * self.block_size + length % self.block_size
+        self.lengths += 1
+        return slots
+
+    def block_table(self, layer: int, width: int) -> np.ndarray:
+        """[heads, width] page ids of one layer, zero-padded."""
+        table = np.zeros((self.num_heads, width), dtype=np.int32)
+        for head, pages in enumerate(self.head_pages[layer]):
+            table[head, : len(pages)] = pages
+        return table
+
+    def max_pages(self) -> int:
+        return max(len(p) for layer in self.head_pages for p in layer)

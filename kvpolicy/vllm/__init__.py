@@ -1,0 +1,7 @@
+"""The only part of kvpolicy that imports vLLM. Importing it registers the plugin."""
+
+from kvpolicy.vllm.plugin import register
+
+register()
+
+__all__ = ["register"]

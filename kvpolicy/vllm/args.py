@@ -1,0 +1,203 @@
+"""The ``--kv-*`` options in every entry point: ``vllm serve``, ``EngineArgs`` and ``LLM(...)``.
+
+Values travel to the engine core and workers inside ``additional_config`` (the
+only free-form field vLLM copies to every process); the connector and worker
+that implement the policy are set here, before vLLM builds its config, and
+everything that can be checked is checked before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import fields
+
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.vllm.internals import (
+    AsyncEngineArgs,
+    EngineArgs,
+    KVTransferConfig,
+    VllmConfig,
+    current_platform,
+)
+
+ARG_GROUP = "KVPolicy"
+CONNECTOR_NAME = "KVPolicyConnector"
+CONNECTOR_MODULE = "kvpolicy.vllm.connector"
+CPU_WORKER_CLS = "kvpolicy.vllm.worker.KVPolicyCPUWorker"
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+#: kwarg / CLI dest -> KVPolicyConfig field
+OPTION_FIELDS = {f"kv_{f.name}": f.name for f in fields(KVPolicyConfig)}
+_PATCHED = "_kvpolicy_patched"
+
+
+def _option_type(name: str, convert):
+    """argparse ``type=``: convert, then let KVPolicyConfig judge the single value."""
+
+    def parse(text: str):
+        value = convert(text)
+        try:
+            KVPolicyConfig(**{name: value})
+        except KVPolicyConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpolicy.policies import POLICIES
+
+    group = parser.add_argument_group(
+        ARG_GROUP, description="KV-cache compression inside vLLM's paged attention (kvpolicy)."
+    )
+    defaults = KVPolicyConfig()
+    options = [
+        ("policy", str, None, f"compression policy, one of: {', '.join(sorted(POLICIES))}"),
+        ("budget", int, None, "tokens kept per KV head after the prompt"),
+        ("ratio", float, None, "fraction of prompt tokens kept (instead of --kv-budget)"),
+        ("window", int, defaults.window, "observation window: last prompt queries that score tokens"),
+        ("pool_kernel", int, defaults.pool_kernel, "max-pooling kernel over token scores"),
+        ("sink_tokens", int, defaults.sink_tokens, "attention-sink tokens always kept"),
+        ("recent_tokens", int, defaults.recent_tokens, "most recent tokens always kept"),
+    ]
+    for name, convert, default, help_text in options:
+        group.add_argument(
+            f"--kv-{name.replace('_', '-')}",
+            type=_option_type(name, convert),
+            default=default,
+            metavar=name.upper(),
+            help=help_text,
+        )
+
+
+def config_from_options(options: dict) -> KVPolicyConfig | None:
+    """A config from ``kv_*`` option values, or None when no policy was asked for."""
+    given = {OPTION_FIELDS[k]: v for k, v in options.items() if k in OPTION_FIELDS and v is not None}
+    if "policy" not in given:
+        defaults = KVPolicyConfig().to_dict()
+        stray = sorted(f"--{k.replace('_', '-')}" for k, f in OPTION_FIELDS.items() if f in given and given[f] != defaults[f])
+        if stray:
+            raise KVPolicyConfigError(f"{', '.join(stray)} need --kv-policy")
+        return None
+    return KVPolicyConfig(**given)
+
+
+def stored_config(additional_config: dict | None) -> KVPolicyConfig | None:
+    values = (additional_config or {}).get(KVPolicyConfig.ADDITIONAL_CONFIG_KEY)
+    return None if values is None else KVPolicyConfig.from_dict(values)
+
+
+def _store(engine_args: EngineArgs, config: KVPolicyConfig | None) -> None:
+    if config is None:
+        return
+    engine_args.additional_config = dict(engine_args.additional_config or {})
+    engine_args.additional_config[KVPolicyConfig.ADDITIONAL_CONFIG_KEY] = config.to_dict()
+
+
+def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> None:
+    """Point vLLM at our connector and worker; refuse combinations we cannot serve."""
+    if engine_args.kv_transfer_config is not None:
+        raise KVPolicyConfigError(
+            "--kv-policy installs its own KV connector; drop --kv-transfer-config"
+        )
+    if not current_platform.is_cpu():
+        raise KVPolicyConfigError(
+            "--kv-policy runs on vLLM's CPU backend in this release; the GPU backend is not available yet"
+        )
+    if config.compresses:
+        if engine_args.enable_prefix_caching:
+            raise KVPolicyConfigError(
+                f"--kv-policy {config.policy} relocates KV pages, which prefix caching would share "
+                "between requests; drop --enable-prefix-caching"
+            )
+        engine_args.enable_prefix_caching = False
+        if engine_args.speculative_config:
+            raise KVPolicyConfigError(f"--kv-policy {config.policy} does not support speculative decoding")
+        if engine_args.kv_cache_dtype not in ("auto", None):
+            raise KVPolicyConfigError(
+                f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype"
+            )
+    engine_args.kv_transfer_config = KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_role="kv_both",
+        kv_connector_module_path=CONNECTOR_MODULE,
+    )
+    if engine_args.worker_cls not in ("auto", CPU_WORKER_CLS):
+        raise KVPolicyConfigError("--kv-policy needs its own worker class; drop --worker-cls")
+    engine_args.worker_cls = CPU_WORKER_CLS
+
+
+def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
+    """Shapes and features the per-head backend cannot serve, refused before the model loads."""
+    model_config = vllm_config.model_config
+    config.check_model_len(model_config.max_model_len)
+    if not config.compresses:
+        return
+    head_size = model_config.get_head_size()
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise KVPolicyConfigError(
+            f"head size {head_size} of {model_config.model} is not served by the CPU attention "
+            f"kernels ({', '.join(map(str, SUPPORTED_HEAD_SIZES))}); use --kv-policy none"
+        )
+    if model_config.use_mla:
+        raise KVPolicyConfigError(f"{model_config.model} uses MLA attention; use --kv-policy none")
+    if getattr(model_config.hf_text_config, "sliding_window", None):
+        raise KVPolicyConfigError(
+            f"{model_config.model} uses sliding-window attention, which --kv-policy "
+            f"{config.policy} does not support yet; use --kv-policy none"
+        )
+    if not model_config.is_attention_free and model_config.is_hybrid:
+        raise KVPolicyConfigError(f"{model_config.model} is a hybrid model; use --kv-policy none")
+
+
+def patch_engine_args() -> None:
+    """Teach EngineArgs the kv_* options. Safe to call any number of times."""
+    if getattr(EngineArgs, _PATCHED, False):
+        return
+
+    original_add = EngineArgs.add_cli_args
+
+    @functools.wraps(original_add)
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original_add(parser, *args, **kwargs)
+        add_arguments(parser)
+        return parser
+
+    original_from_cli = EngineArgs.from_cli_args.__func__
+
+    def from_cli_args(cls, args: argparse.Namespace):
+        engine_args = original_from_cli(cls, args)
+        _store(engine_args, config_from_options(vars(args)))
+        return engine_args
+
+    original_create = EngineArgs.create_engine_config
+
+    @functools.wraps(original_create)
+    def create_engine_config(self, *args, **kwargs):
+        config = stored_config(self.additional_config)
+        if config is None:
+            return original_create(self, *args, **kwargs)
+        _prepare_engine_args(self, config)
+        vllm_config = original_create(self, *args, **kwargs)
+        check_model(config, vllm_config)
+        return vllm_config
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config
+    for cls in (EngineArgs, AsyncEngineArgs):
+        cls.__init__ = _accept_kv_options(cls.__init__)
+    setattr(EngineArgs, _PATCHED, True)
+
+
+def _accept_kv_options(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTION_FIELDS}
+        init(self, *args, **kwargs)
+        _store(self, config_from_options(options))
+
+    return __init__

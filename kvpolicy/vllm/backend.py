@@ -1,0 +1,311 @@
+"""The per-head attention backend: vLLM's CPU attention, plus per-(request, kv-head) pages.
+
+Requests that a policy has relocated attend as ``H`` virtual one-head
+sequences over the same cache viewed as one-head pages (block ``b``, head
+``h`` is page ``b*H + h``), each with its own physical length and block
+table per layer. Every other request in the batch takes vLLM's stock path,
+unchanged. Positions stay logical: vLLM computes them from its own token
+counts, which relocation never touches.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvpolicy.paging import PageLayout, RequestPages
+from kvpolicy.policies import PromptKV
+from kvpolicy.vllm.internals import (
+    CPU_ATTN_MODULE,
+    envs,
+    extract_layer_index,
+    get_forward_context,
+    ops,
+)
+from kvpolicy.vllm.state import WORKER_STATE
+
+_cpu_attn = importlib.import_module(CPU_ATTN_MODULE)
+CPUAttentionBackend = _cpu_attn.CPUAttentionBackend
+CPUAttentionBackendImpl = _cpu_attn.CPUAttentionBackendImpl
+CPUAttentionMetadata = _cpu_attn.CPUAttentionMetadata
+CPUAttentionMetadataBuilder = _cpu_attn.CPUAttentionMetadataBuilder
+
+
+@dataclass
+class AttentionBatch:
+    """Arguments of one ``cpu_attention_with_kv_cache`` call over a subset of the batch."""
+
+    token_idx: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler_metadata: torch.Tensor
+
+
+@dataclass
+class PerHeadBatch:
+    """The relocated requests of a step: one query token each, ``H`` virtual sequences.
+
+    ``layers[l]`` is layer ``l``'s attention call; ``slots[l]`` where its new
+    K/V go ([n*H] one-head page slots).
+    """
+
+    token_idx: torch.Tensor
+    layers: list[AttentionBatch]
+    slots: torch.Tensor
+
+
+@dataclass
+class Relocation:
+    """A request whose prompt completes this step: after attention, each layer relocates it."""
+
+    req_id: str
+    pages: RequestPages
+    num_tokens: int
+
+
+@dataclass
+class KVPolicyMetadata(CPUAttentionMetadata):
+    """Stock metadata plus the per-head part; ``stock`` is the stock rows' own call."""
+
+    stock: AttentionBatch | None = None
+    per_head: PerHeadBatch | None = None
+    relocations: list[Relocation] = field(default_factory=list)
+
+
+class KVPolicyCPUBackend(CPUAttentionBackend):
+    """Registered over ``CPU_ATTN``; keeps its name so vLLM treats it as the CPU backend."""
+
+    @staticmethod
+    def get_impl_cls():
+        return KVPolicyCPUImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KVPolicyCPUMetadataBuilder
+
+
+class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        self.queries_per_kv = self.num_heads // self.num_kv_heads
+
+    def _scheduler_metadata(self, seq_lens, query_start_loc, num_heads, num_kv_heads):
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.numel(),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=seq_lens,
+            dtype=self.dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=self.window_size,
+            isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not WORKER_STATE.relocates or self.is_cross_attention or self.is_encoder_only_attention:
+            return metadata
+        cam = common_attn_metadata
+        runner = WORKER_STATE.runner
+        num_reqs = cam.num_reqs
+        qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy()
+        seq_lens = cam.seq_lens[:num_reqs].cpu().numpy()
+        block_table = cam.block_table_tensor
+        per_head_rows, relocations = [], []
+        for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
+            query_len = int(qsl[row + 1] - qsl[row])
+            seq_len = int(seq_lens[row])
+            num_blocks = -(-seq_len // self.block_size)
+            prompt_len = runner.requests[req_id].num_prompt_tokens
+            pages = WORKER_STATE.requests.get(req_id)
+            if pages is not None and seq_len - query_len < prompt_len:
+                # Preempted and recomputed from scratch: compression is redone.
+                WORKER_STATE.forget([req_id])
+                pages = None
+            if pages is not None:
+                if query_len != 1:
+                    raise NotImplementedError("relocated requests decode one token per step")
+                pages.add_blocks(block_table[row, len(pages.blocks) : num_blocks].tolist())
+                per_head_rows.append((row, pages))
+            elif seq_len == prompt_len and query_len > 0:
+                pages = RequestPages(
+                    self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist()
+                )
+                WORKER_STATE.requests[req_id] = pages
+                relocations.append(Relocation(req_id, pages, prompt_len))
+        metadata = KVPolicyMetadata(**vars(metadata), relocations=relocations)
+        if per_head_rows:
+            metadata.per_head = self._per_head_batch(per_head_rows, qsl)
+            stock_rows = sorted(set(range(num_reqs)) - {row for row, _ in per_head_rows})
+            metadata.stock = self._stock_batch(stock_rows, qsl, cam)
+        return metadata
+
+    def _per_head_batch(self, rows, qsl) -> PerHeadBatch:
+        heads = self.num_kv_heads
+        token_idx = torch.tensor([int(qsl[row]) for row, _ in rows], dtype=torch.int64)
+        slots = np.stack([pages.append() for _, pages in rows], axis=1)  # [layers, n, heads]
+        lengths = np.stack([pages.lengths for _, pages in rows], axis=1)
+        width = max(pages.max_pages() for _, pages in rows)
+        query_start_loc = torch.arange(len(rows) * heads + 1, dtype=torch.int32)
+        layers, by_lengths = [], {}
+        for layer in range(self.num_layers):
+            seq_lens = torch.from_numpy(lengths[layer].reshape(-1).astype(np.int32))
+            key = seq_lens.numpy().tobytes()
+            if key not in by_lengths:
+                by_lengths[key] = self._scheduler_metadata(seq_lens, query_start_loc, self.queries_per_kv, 1)
+            table = np.concatenate([pages.block_table(layer, width) for _, pages in rows])
+            layers.append(
+                AttentionBatch(token_idx, query_start_loc, seq_lens, torch.from_numpy(table), by_lengths[key])
+            )
+        return PerHeadBatch(token_idx, layers, torch.from_numpy(slots.reshape(self.num_layers, -1)))
+
+    def _stock_batch(self, rows, qsl, cam) -> AttentionBatch:
+        query_lens = [int(qsl[row + 1] - qsl[row]) for row in rows]
+        token_idx = torch.cat(
+            [torch.arange(int(qsl[row]), int(qsl[row + 1])) for row in rows] or [torch.zeros(0, dtype=torch.int64)]
+        )
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        row_idx = torch.tensor(rows, dtype=torch.int64)
+        seq_lens = cam.seq_lens[row_idx]
+        return AttentionBatch(
+            token_idx,
+            query_start_loc,
+            seq_lens,
+            cam.block_table_tensor[row_idx],
+            self._scheduler_metadata(seq_lens, query_start_loc, self.num_heads, self.num_kv_heads),
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> PageLayout:
+    """Discover where the cache writer puts (token, dim) inside a page, exactly.
+
+    Two writes of a scratch page through ``cpu_attn_reshape_and_cache``: once
+    with each element's token id, once with its dim id.
+    """
+    cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(2, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.arange(block_size) + block_size
+    maps = []
+    for values in (
+        torch.arange(block_size).view(-1, 1, 1).expand(block_size, 1, head_size),
+        torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, head_size),
+    ):
+        values = values.to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(values, values, key_cache, value_cache, slots, isa)
+        maps.append(cache[1, 0].reshape(-1).long().clone())
+    return PageLayout.from_token_and_dim_maps(*maps)
+
+
+class KVPolicyCPUImpl(CPUAttentionBackendImpl):
+    """Stock attention for stock rows, per-head attention for relocated ones."""
+
+    @staticmethod
+    def _metadata(layer) -> KVPolicyMetadata | None:
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, dict):
+            metadata = metadata.get(layer.layer_name)
+        return metadata if isinstance(metadata, KVPolicyMetadata) else None
+
+    @staticmethod
+    def _split(kv_cache: torch.Tensor, one_head: bool):
+        num_blocks, num_kv_heads, block_size, width = kv_cache.shape
+        if one_head:
+            kv_cache = kv_cache.view(num_blocks * num_kv_heads, 1, block_size, width)
+        return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 2 * block_size, -1).chunk(2, dim=2)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        metadata = self._metadata(layer)
+        if metadata is None or metadata.per_head is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        stock_idx = metadata.stock.token_idx
+        if stock_idx.numel():
+            super().do_kv_cache_update(layer, key[stock_idx], value[stock_idx], kv_cache, slot_mapping[stock_idx])
+        per_head = metadata.per_head
+        key_cache, value_cache = self._split(kv_cache, one_head=True)
+        ops.cpu_attn_reshape_and_cache(
+            key[per_head.token_idx].reshape(-1, 1, self.head_size),
+            value[per_head.token_idx].reshape(-1, 1, self.head_size),
+            key_cache,
+            value_cache,
+            per_head.slots[extract_layer_index(layer.layer_name)],
+            layer.isa,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def _attend(self, layer, query, output, key_cache, value_cache, batch: AttentionBatch) -> None:
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=output,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window,
+            block_table=batch.block_table,
+            softcap=self.logits_soft_cap,
+            scheduler_metadata=batch.scheduler_metadata,
+            s_aux=self.sinks,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+        if not isinstance(attn_metadata, KVPolicyMetadata) or attn_metadata.per_head is None:
+            output = super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        else:
+            self._forward_mixed(layer, query, kv_cache, attn_metadata, output)
+        if isinstance(attn_metadata, KVPolicyMetadata) and attn_metadata.relocations:
+            self._relocate(layer, kv_cache, attn_metadata.relocations)
+        return output
+
+    def _forward_mixed(self, layer, query, kv_cache, metadata: KVPolicyMetadata, output) -> None:
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        stock = metadata.stock
+        if stock.token_idx.numel():
+            stock_out = torch.empty_like(query[stock.token_idx])
+            self._attend(layer, query[stock.token_idx], stock_out, *self._split(kv_cache, one_head=False), stock)
+            out[stock.token_idx] = stock_out
+        per_head = metadata.per_head
+        batch = per_head.layers[extract_layer_index(layer.layer_name)]
+        group = self.num_queries_per_kv
+        head_query = query[per_head.token_idx].reshape(-1, group, self.head_size)
+        head_out = torch.empty_like(head_query)
+        self._attend(layer, head_query, head_out, *self._split(kv_cache, one_head=True), batch)
+        out[per_head.token_idx] = head_out.view(-1, self.num_heads, self.head_size)
+
+    def _relocate(self, layer, kv_cache, relocations: list[Relocation]) -> None:
+        """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps."""
+        layer_idx = extract_layer_index(layer.layer_name)
+        num_blocks, heads, block_size, width = kv_cache.shape
+        layout = page_layout(layer.isa, kv_cache.dtype, block_size, width // 2)
+        pages_view = kv_cache.view(num_blocks * heads, -1)
+        for relocation in relocations:
+            pages = relocation.pages
+            every = torch.arange(relocation.num_tokens)
+            keys, _ = layout.gather(pages_view, pages.current_slots(layer_idx, [every] * heads))
+            keep = WORKER_STATE.policy.keep(PromptKV(keys.view(heads, relocation.num_tokens, -1)))
+            moves = pages.relocate(layer_idx, keep)
+            k, v = layout.gather(pages_view, moves.src)
+            layout.scatter(pages_view, moves.dst, k, v)
+            if layer_idx == 0:
+                WORKER_STATE.relocated_requests += 1

@@ -1,0 +1,53 @@
+"""Every vLLM internal kvpolicy touches, named in one place (verified on vLLM 0.32.0).
+
+Upgrading vLLM means reading this file and the call sites of what it exports.
+Anything imported from ``vllm`` elsewhere in kvpolicy goes through here.
+"""
+
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.config import KVTransferConfig, VllmConfig, get_current_vllm_config
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+#: Where the CPU platform's attention backend lives; we subclass its pieces.
+CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
+#: The worker the CPU platform would pick for ``worker_cls="auto"``.
+CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
+
+__all__ = [
+    "AsyncEngineArgs",
+    "AttentionBackendEnum",
+    "CPU_ATTN_MODULE",
+    "CPU_WORKER_MODULE",
+    "EngineArgs",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVTransferConfig",
+    "VllmConfig",
+    "current_platform",
+    "envs",
+    "extract_layer_index",
+    "get_current_vllm_config",
+    "get_forward_context",
+    "get_kv_transfer_group",
+    "has_kv_transfer_group",
+    "ops",
+    "register_backend",
+]

@@ -1,0 +1,78 @@
+"""Run the real vLLM engine once on a fixed mixed batch and dump tokens and logprobs as JSON.
+
+    python tests/e2e/engine_run.py --policy identity --out out.json
+    python tests/e2e/engine_run.py --stock --out stock.json   # vLLM without kvpolicy
+
+Prompts of different lengths with chunked prefill on and a small token budget
+per step, so long prompts are read over several steps while short ones
+already decode: prefill and decode share steps. Its own process, because
+vLLM's engine core is spawned and each run needs a clean plugin state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PROMPT_LENS = (40, 300, 700, 1100, 129, 256)
+MAX_TOKENS = 24
+LOGPROBS = 5
+
+
+def prompts(vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--policy", default=None)
+    parser.add_argument("--stock", action="store_true", help="load no vLLM plugin at all")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    if args.stock:
+        os.environ["VLLM_PLUGINS"] = ""
+    else:
+        import kvpolicy.vllm  # noqa: F401  (LLM(kv_policy=...) needs the options registered)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {} if args.stock else {"kv_policy": args.policy}
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_batched_tokens=256,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.5,
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params, use_tqdm=False)
+    result = [
+        {
+            "token_ids": list(o.outputs[0].token_ids),
+            "logprobs": [
+                {str(tok): lp.logprob for tok, lp in step.items()} for step in o.outputs[0].logprobs
+            ],
+        }
+        for o in outputs
+    ]
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
