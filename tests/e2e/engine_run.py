@@ -56,6 +56,7 @@ def main() -> int:
         enable_prefix_caching=False,
         gpu_memory_utilization=0.5,
         seed=0,
+        disable_log_stats=False,
         **kwargs,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
@@ -69,8 +70,11 @@ def main() -> int:
         }
         for o in outputs
     ]
+    relocated = sum(
+        m.value for m in llm.get_metrics() if m.name == "vllm:kvpolicy_relocated_requests"
+    )
     with open(args.out, "w") as f:
-        json.dump(result, f)
+        json.dump({"relocated_requests": relocated, "requests": result}, f)
     return 0
 
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Serve the default model through vLLM's OpenAI-compatible server with a kvpolicy policy.
+# Extra arguments go to `vllm serve` (e.g. --kv-policy none, --port 9000).
+# Environment: KV_POLICY (default identity), PORT (8000), VLLM_CPU_KVCACHE_SPACE (GiB, default 2).
+set -euo pipefail
+MODEL_DIR="$(kvpolicy-model)"
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+exec vllm serve "$MODEL_DIR" \
+  --served-model-name SmolLM2-135M-Instruct \
+  --dtype float32 \
+  --max-model-len 8192 \
+  --host "${HOST:-127.0.0.1}" --port "${PORT:-8000}" \
+  --kv-policy "${KV_POLICY:-identity}" \
+  "$@"

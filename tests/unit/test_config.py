@@ -1,0 +1,51 @@
+"""Option validation: every rejection names what to change."""
+
+import pytest
+
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.policies import POLICIES, IdentityPolicy, PromptKV
+
+
+def test_unknown_policy_lists_the_valid_ones():
+    with pytest.raises(KVPolicyConfigError, match="choose one of: identity, none"):
+        KVPolicyConfig(policy="bogus")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"budget": 0}, "--kv-budget must be a positive"),
+        ({"ratio": 1.5}, r"--kv-ratio .* in \(0, 1\]"),
+        ({"budget": 10, "ratio": 0.5}, "not both"),
+        ({"pool_kernel": 4}, "positive odd"),
+        ({"window": 0}, "--kv-window must be positive"),
+    ],
+)
+def test_bad_values_are_rejected(options, message):
+    with pytest.raises(KVPolicyConfigError, match=message):
+        KVPolicyConfig(policy="identity", **options)
+
+
+def test_budget_larger_than_the_context_is_rejected():
+    with pytest.raises(KVPolicyConfigError, match="larger than --max-model-len 4096"):
+        KVPolicyConfig(policy="identity", budget=5000).check_model_len(4096)
+
+
+def test_round_trip_through_additional_config():
+    config = KVPolicyConfig(policy="identity", budget=128)
+    assert KVPolicyConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(KVPolicyConfigError, match="unknown kv_policy options"):
+        KVPolicyConfig.from_dict({"policy": "none", "budgte": 3})
+
+
+def test_only_none_keeps_the_stock_layout():
+    assert not KVPolicyConfig(policy="none").compresses
+    assert KVPolicyConfig(policy="identity").compresses
+    assert set(POLICIES) == {"none", "identity"}
+
+
+def test_identity_keeps_every_token_of_every_head():
+    import torch
+
+    keep = IdentityPolicy().keep(PromptKV(torch.zeros(3, 5, 4)))
+    assert [k.tolist() for k in keep] == [list(range(5))] * 3

@@ -1,0 +1,89 @@
+"""Page tables and token moves, on plain tensors (no vLLM)."""
+
+import torch
+
+from kvpolicy.paging import PageLayout, RequestPages
+
+BS, D, H = 4, 3, 2
+
+
+def transposed_k_layout() -> PageLayout:
+    """A page whose K half is stored [D, BS] (like the CPU vec ISA) and V half [BS, D]."""
+    k_tok = torch.arange(BS).repeat(D)  # element e = d*BS + t
+    k_dim = torch.arange(D).repeat_interleave(BS)
+    v_tok = torch.arange(BS).repeat_interleave(D)
+    v_dim = torch.arange(D).repeat(BS)
+    return PageLayout.from_token_and_dim_maps(torch.cat([k_tok, v_tok]), torch.cat([k_dim, v_dim]))
+
+
+def test_layout_offsets_follow_the_packing():
+    layout = transposed_k_layout()
+    assert layout.k_offsets[1, 2].item() == 2 * BS + 1
+    assert layout.v_offsets[1, 2].item() == BS * D + 1 * D + 2
+
+
+def test_scatter_then_gather_round_trips_exactly():
+    layout = transposed_k_layout()
+    pages = torch.zeros(5, layout.page_elems)
+    slots = torch.tensor([0, 5, 11, 19, 3])
+    k, v = torch.randn(5, D), torch.randn(5, D)
+    layout.scatter(pages, slots, k, v)
+    k2, v2 = layout.gather(pages, slots)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_relocate_packs_heads_from_the_first_block():
+    pages = RequestPages(num_layers=1, num_heads=H, block_size=BS, blocks=[7, 3, 9])
+    keep = [torch.tensor([0, 2, 5]), torch.tensor([1, 3, 4, 6, 8, 10])]
+    moves = pages.relocate(0, keep)
+    # Stock source: token i of head h is page blocks[i // BS] * H + h, offset i % BS.
+    assert moves.src.tolist() == [
+        (7 * H + 0) * BS + 0, (7 * H + 0) * BS + 2, (3 * H + 0) * BS + 1,
+        (7 * H + 1) * BS + 1, (7 * H + 1) * BS + 3, (3 * H + 1) * BS + 0,
+        (3 * H + 1) * BS + 2, (9 * H + 1) * BS + 0, (9 * H + 1) * BS + 2,
+    ]
+    # Destinations: head 0 takes page 14, head 1 pages 15 and 6 (block 7, then block 3).
+    assert pages.head_pages[0] == [[14], [15, 6]]
+    assert pages.lengths[0].tolist() == [3, 6]
+    assert pages.free[0] == [7, 18, 19]
+    assert moves.dst.tolist() == [56, 57, 58, 60, 61, 62, 63, 24, 25]
+
+
+def test_append_takes_free_pages_and_new_blocks():
+    pages = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=[1])
+    for layer in range(2):
+        pages.relocate(layer, [torch.arange(BS), torch.arange(BS)])
+    pages.add_blocks([4])
+    slots = pages.append()
+    assert slots.tolist() == [[8 * BS, 9 * BS], [8 * BS, 9 * BS]]
+    assert pages.lengths.tolist() == [[BS + 1, BS + 1], [BS + 1, BS + 1]]
+    assert pages.block_table(0, 3).tolist() == [[2, 8, 0], [3, 9, 0]]
+
+
+def test_second_relocation_reads_from_per_head_pages():
+    pages = RequestPages(num_layers=1, num_heads=1, block_size=BS, blocks=[2, 5])
+    pages.relocate(0, [torch.arange(6)])
+    moves = pages.relocate(0, [torch.tensor([1, 5])])
+    assert moves.src.tolist() == [2 * BS + 1, 5 * BS + 1]
+    assert moves.dst.tolist() == [2 * BS, 2 * BS + 1]
+    assert pages.free[0] == [5]
+
+
+def test_layout_moves_tokens_between_pages_like_the_cache_would():
+    layout = transposed_k_layout()
+    cache = torch.zeros(4 * H, layout.page_elems)
+    pages = RequestPages(num_layers=1, num_heads=H, block_size=BS, blocks=[0, 1])
+    keys = torch.randn(H, 2 * BS, D)
+    values = torch.randn(H, 2 * BS, D)
+    every = torch.arange(2 * BS)
+    stock = pages.current_slots(0, [every] * H)
+    layout.scatter(cache, stock, keys.reshape(-1, D), values.reshape(-1, D))
+    keep = [torch.tensor([0, 7]), torch.tensor([2, 3, 4, 5, 6])]
+    moves = pages.relocate(0, keep)
+    k, v = layout.gather(cache, moves.src)
+    layout.scatter(cache, moves.dst, k, v)
+    for head in range(H):
+        n = keep[head].numel()
+        got_k, got_v = layout.gather(cache, pages.current_slots(0, [torch.arange(n) if h == head else torch.arange(0) for h in range(H)]))
+        assert torch.equal(got_k, keys[head, keep[head]])
+        assert torch.equal(got_v, values[head, keep[head]])
