@@ -1,4 +1,4 @@
-"""Ships ``kvpolicy-vllm-metadata.pth`` beside the packages (see kvpolicy/distalias.py)."""
+"""Ships ``kvpolicy-vllm-metadata.pth`` beside the packages (see _kvpolicy_distalias.py)."""
 
 from pathlib import Path
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from kvpolicy.policies import POLICIES
+from kvpolicy.policies import POLICIES, make_policy
 
 
 class KVPolicyConfigError(ValueError):
@@ -49,11 +49,34 @@ class KVPolicyConfig:
             )
         if self.sink_tokens < 0 or self.recent_tokens < 0:
             raise KVPolicyConfigError("--kv-sink-tokens and --kv-recent-tokens must be >= 0")
+        policy = POLICIES[self.policy]
+        if policy.needs_budget and self.budget is None and self.ratio is None:
+            raise KVPolicyConfigError(f"--kv-policy {self.policy} needs --kv-budget or --kv-ratio")
+        if policy.needs_window and self.budget is not None and self.budget <= self.window:
+            raise KVPolicyConfigError(
+                f"--kv-budget {self.budget} must be larger than the observation window "
+                f"--kv-window {self.window}, which {self.policy} always keeps"
+            )
 
     @property
     def compresses(self) -> bool:
         """Whether requests leave vLLM's stock layout (anything but ``none``)."""
         return POLICIES[self.policy].relocates
+
+    def budget_for(self, prompt_len: int) -> int | None:
+        """Tokens per KV head kept from a prompt of ``prompt_len``; None keeps the prompt whole."""
+        if self.budget is not None:
+            budget = self.budget
+        elif self.ratio is not None:
+            budget = max(1, round(self.ratio * prompt_len))
+        else:
+            return None
+        if POLICIES[self.policy].needs_window:
+            budget = max(budget, self.window + 1)
+        return budget if budget < prompt_len else None
+
+    def make_policy(self):
+        return make_policy(self.policy, **self.to_dict())
 
     def check_model_len(self, max_model_len: int) -> None:
         if self.budget is not None and self.budget > max_model_len:

@@ -1,8 +1,22 @@
 """Policies: pure functions from one layer's prompt KV to kept indices. No vLLM here."""
 
+from dataclasses import fields
+
 from kvpolicy.policies.base import Policy, PromptKV
 from kvpolicy.policies.passthrough import IdentityPolicy, NoPolicy
+from kvpolicy.policies.snapkv import AdaPyramid, AdaSnapKV, PyramidKV, SnapKV
+from kvpolicy.policies.streaming import StreamingLLM
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (NoPolicy, IdentityPolicy)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM)
+}
 
-__all__ = ["POLICIES", "Policy", "PromptKV", "IdentityPolicy", "NoPolicy"]
+
+def make_policy(name: str, **options) -> Policy:
+    """Instantiate a policy with the options it declares; the rest are ignored."""
+    cls = POLICIES[name]
+    return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+
+__all__ = ["POLICIES", "Policy", "PromptKV", "make_policy"]

@@ -1,4 +1,4 @@
-"""What every policy is: a scorer/selector over one layer's prompt KV, with no notion of pages."""
+"""What every policy is: a selector over one layer's prompt KV, with no notion of pages."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ class PromptKV:
     """One layer's view of a finished prompt, as a policy needs it.
 
     ``keys``: [kv_heads, prompt_len, head_dim]. ``window_queries``: the last
-    prompt queries, [q_heads, window, head_dim], or None when the policy is
-    attention-free.
+    prompt queries of this layer, [q_heads, window, head_dim] (post-RoPE, as
+    attention sees them), or None for attention-free policies.
     """
 
     keys: torch.Tensor
     window_queries: torch.Tensor | None = None
+    layer: int = 0
+    num_layers: int = 1
 
     @property
     def num_heads(self) -> int:
@@ -33,13 +35,21 @@ class PromptKV:
 class Policy:
     """A compression policy: which prompt tokens each KV head keeps.
 
-    ``relocates`` says whether a request leaves vLLM's stock layout for
-    per-(request, layer, kv-head) pages once its prompt is read.
+    ``relocates``: requests leave vLLM's stock layout for per-(request, layer,
+    kv-head) pages once their prompt is read. ``needs_window``: the backend
+    must hand over the last ``window`` prompt queries.
     """
 
     name: ClassVar[str]
     relocates: ClassVar[bool]
+    needs_window: ClassVar[bool] = False
+    needs_budget: ClassVar[bool] = True
 
-    def keep(self, prompt: PromptKV) -> list[torch.Tensor]:
-        """Kept token indices per KV head, ascending, int64."""
+    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
+        """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""
         raise NotImplementedError
+
+    @staticmethod
+    def keep_all(prompt: PromptKV) -> list[torch.Tensor]:
+        every = torch.arange(prompt.num_tokens, dtype=torch.int64)
+        return [every for _ in range(prompt.num_heads)]

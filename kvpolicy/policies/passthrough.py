@@ -15,8 +15,9 @@ class NoPolicy(Policy):
 
     name = "none"
     relocates = False
+    needs_budget = False
 
-    def keep(self, prompt: PromptKV) -> list[torch.Tensor]:
+    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         raise RuntimeError("policy 'none' never relocates a request")
 
 
@@ -26,7 +27,7 @@ class IdentityPolicy(Policy):
 
     name = "identity"
     relocates = True
+    needs_budget = False
 
-    def keep(self, prompt: PromptKV) -> list[torch.Tensor]:
-        every = torch.arange(prompt.num_tokens, dtype=torch.int64)
-        return [every for _ in range(prompt.num_heads)]
+    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
+        return self.keep_all(prompt)

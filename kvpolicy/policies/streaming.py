@@ -1,0 +1,25 @@
+"""StreamingLLM: attention sinks plus a recent window, nothing scored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpolicy.policies.base import Policy, PromptKV
+
+
+@dataclass(frozen=True)
+class StreamingLLM(Policy):
+    """Keep the first ``sink_tokens`` and the last ``budget - sink_tokens`` tokens of every head."""
+
+    name = "streaming"
+    relocates = True
+    sink_tokens: int = 4
+
+    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
+        if prompt.num_tokens <= budget:
+            return self.keep_all(prompt)
+        sinks = min(self.sink_tokens, budget)
+        kept = torch.cat([torch.arange(sinks), torch.arange(prompt.num_tokens - (budget - sinks), prompt.num_tokens)])
+        return [kept for _ in range(prompt.num_heads)]
