@@ -37,7 +37,7 @@ class RequestPages:
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.block_size = block_size
-        self.blocks: list[int] = []
+        self.blocks: list[int | None] = []  # by vLLM block-table position; None once released
         self.lengths = np.zeros((num_layers, num_heads), dtype=np.int64)
         self.head_pages: list[list[list[int]]] = [
             [[] for _ in range(num_heads)] for _ in range(num_layers)
@@ -56,6 +56,9 @@ class RequestPages:
             pages = self._pages_of(int(block))
             for free in self.free:
                 free.extend(pages)
+
+    def _live_pool(self) -> list[int]:
+        return [p for block in self.blocks if block is not None for p in self._pages_of(block)]
 
     def _stock_slots(self, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
@@ -80,7 +83,7 @@ class RequestPages:
     def relocate(self, layer: int, keep: Sequence[torch.Tensor]) -> TokenMoves:
         """Keep ``keep[h]`` (indices into head h's current sequence), packed densely from the first page."""
         src = self.current_slots(layer, keep)
-        pool = [p for block in self.blocks for p in self._pages_of(block)]
+        pool = self._live_pool()
         counts = [int(kept.numel()) for kept in keep]
         needed = [math.ceil(n / self.block_size) for n in counts]
         if sum(needed) > len(pool):
@@ -109,6 +112,36 @@ class RequestPages:
                 slots[layer, head] = pages[length // self.block_size] * self.block_size + length % self.block_size
         self.lengths += 1
         return slots
+
+    def blocks_needed(self) -> int:
+        """Blocks to hold after relocation: the fullest layer's pages, plus one spare block.
+
+        Pages are packed from the front, so a layer using ``p`` pages needs the
+        first ``ceil(p / H)`` blocks. The spare block covers decode growth:
+        vLLM appends one block (H pages per layer) every ``block_size`` logical
+        tokens, but heads reach a page boundary at different steps.
+        """
+        used = max(sum(len(pages) for pages in layer) for layer in self.head_pages)
+        return min(math.ceil(used / self.num_heads) + 1, len(self.blocks))
+
+    def release_tail(self, keep_blocks: int) -> int:
+        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+        released = 0
+        for position in range(keep_blocks, len(self.blocks)):
+            block = self.blocks[position]
+            if block is None:
+                continue
+            gone = set(self._pages_of(block))
+            for layer, free in enumerate(self.free):
+                if any(p in gone for pages in self.head_pages[layer] for p in pages):
+                    raise RuntimeError(f"block {block} still holds pages of layer {layer}")
+                self.free[layer] = [p for p in free if p not in gone]
+            self.blocks[position] = None
+            released += 1
+        return released
+
+    def kept_tokens(self) -> int:
+        return int(self.lengths.sum())
 
     def block_table(self, layer: int, width: int) -> np.ndarray:
         """[heads, width] page ids of one layer, zero-padded."""

@@ -61,11 +61,25 @@ class PerHeadBatch:
 
 @dataclass
 class Relocation:
-    """A request whose prompt completes this step: after attention, each layer relocates it."""
+    """A request whose prompt completes this step: after attention, each layer relocates it.
+
+    ``window_idx``: this step's query tokens that belong to the observation
+    window (earlier chunks' share is stashed in the worker state).
+    """
 
     req_id: str
     pages: RequestPages
     num_tokens: int
+    budget: int | None
+    window_idx: torch.Tensor
+
+
+@dataclass
+class WindowStash:
+    """Window queries in a prompt chunk that is not the last one: kept until the prompt completes."""
+
+    req_id: str
+    token_idx: torch.Tensor
 
 
 @dataclass
@@ -75,6 +89,7 @@ class KVPolicyMetadata(CPUAttentionMetadata):
     stock: AttentionBatch | None = None
     per_head: PerHeadBatch | None = None
     relocations: list[Relocation] = field(default_factory=list)
+    window_stash: list[WindowStash] = field(default_factory=list)
 
 
 class KVPolicyCPUBackend(CPUAttentionBackend):
@@ -121,14 +136,15 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy()
         seq_lens = cam.seq_lens[:num_reqs].cpu().numpy()
         block_table = cam.block_table_tensor
-        per_head_rows, relocations = [], []
+        per_head_rows, relocations, stash = [], [], []
         for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
             query_len = int(qsl[row + 1] - qsl[row])
             seq_len = int(seq_lens[row])
+            start = seq_len - query_len
             num_blocks = -(-seq_len // self.block_size)
             prompt_len = runner.requests[req_id].num_prompt_tokens
             pages = WORKER_STATE.requests.get(req_id)
-            if pages is not None and seq_len - query_len < prompt_len:
+            if pages is not None and start < prompt_len:
                 # Preempted and recomputed from scratch: compression is redone.
                 WORKER_STATE.forget([req_id])
                 pages = None
@@ -137,18 +153,37 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                     raise NotImplementedError("relocated requests decode one token per step")
                 pages.add_blocks(block_table[row, len(pages.blocks) : num_blocks].tolist())
                 per_head_rows.append((row, pages))
-            elif seq_len == prompt_len and query_len > 0:
-                pages = RequestPages(
-                    self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist()
-                )
-                WORKER_STATE.requests[req_id] = pages
-                relocations.append(Relocation(req_id, pages, prompt_len))
-        metadata = KVPolicyMetadata(**vars(metadata), relocations=relocations)
+                continue
+            if start >= prompt_len or query_len == 0:
+                continue
+            budget = WORKER_STATE.config.budget_for(prompt_len)
+            if budget is None and WORKER_STATE.policy.needs_budget:
+                continue  # short prompt: stays on the stock path
+            window_idx = self._window_tokens(int(qsl[row]), start, seq_len, prompt_len)
+            if seq_len < prompt_len:
+                if window_idx.numel():
+                    stash.append(WindowStash(req_id, window_idx))
+                continue
+            pages = RequestPages(
+                self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist()
+            )
+            WORKER_STATE.requests[req_id] = pages
+            WORKER_STATE.relocated_this_step.append(req_id)
+            relocations.append(Relocation(req_id, pages, prompt_len, budget, window_idx))
+        metadata = KVPolicyMetadata(**vars(metadata), relocations=relocations, window_stash=stash)
         if per_head_rows:
             metadata.per_head = self._per_head_batch(per_head_rows, qsl)
             stock_rows = sorted(set(range(num_reqs)) - {row for row, _ in per_head_rows})
             metadata.stock = self._stock_batch(stock_rows, qsl, cam)
         return metadata
+
+    @staticmethod
+    def _window_tokens(first_token: int, start: int, end: int, prompt_len: int) -> torch.Tensor:
+        """Batch indices of this chunk's tokens inside the observation window."""
+        if not WORKER_STATE.policy.needs_window:
+            return torch.zeros(0, dtype=torch.int64)
+        window_start = max(prompt_len - WORKER_STATE.config.window, start)
+        return torch.arange(first_token + window_start - start, first_token + max(end, window_start) - start)
 
     def _per_head_batch(self, rows, qsl) -> PerHeadBatch:
         heads = self.num_kv_heads
@@ -274,8 +309,12 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             )
         else:
             self._forward_mixed(layer, query, kv_cache, attn_metadata, output)
-        if isinstance(attn_metadata, KVPolicyMetadata) and attn_metadata.relocations:
-            self._relocate(layer, kv_cache, attn_metadata.relocations)
+        if isinstance(attn_metadata, KVPolicyMetadata):
+            layer_idx = extract_layer_index(layer.layer_name)
+            for stash in attn_metadata.window_stash:
+                WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx])
+            if attn_metadata.relocations:
+                self._relocate(layer, query, kv_cache, attn_metadata.relocations)
         return output
 
     def _forward_mixed(self, layer, query, kv_cache, metadata: KVPolicyMetadata, output) -> None:
@@ -293,19 +332,24 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         self._attend(layer, head_query, head_out, *self._split(kv_cache, one_head=True), batch)
         out[per_head.token_idx] = head_out.view(-1, self.num_heads, self.head_size)
 
-    def _relocate(self, layer, kv_cache, relocations: list[Relocation]) -> None:
+    def _relocate(self, layer, query, kv_cache, relocations: list[Relocation]) -> None:
         """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps."""
         layer_idx = extract_layer_index(layer.layer_name)
         num_blocks, heads, block_size, width = kv_cache.shape
         layout = page_layout(layer.isa, kv_cache.dtype, block_size, width // 2)
         pages_view = kv_cache.view(num_blocks * heads, -1)
+        num_layers = relocations[0].pages.num_layers
         for relocation in relocations:
             pages = relocation.pages
             every = torch.arange(relocation.num_tokens)
             keys, _ = layout.gather(pages_view, pages.current_slots(layer_idx, [every] * heads))
-            keep = WORKER_STATE.policy.keep(PromptKV(keys.view(heads, relocation.num_tokens, -1)))
+            window = None
+            if WORKER_STATE.policy.needs_window:
+                window = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
+            prompt = PromptKV(keys.view(heads, relocation.num_tokens, -1), window, layer_idx, num_layers)
+            keep = WORKER_STATE.policy.keep(prompt, relocation.budget)
             moves = pages.relocate(layer_idx, keep)
             k, v = layout.gather(pages_view, moves.src)
             layout.scatter(pages_view, moves.dst, k, v)
-            if layer_idx == 0:
-                WORKER_STATE.relocated_requests += 1
+        if layer_idx == 0:
+            WORKER_STATE.block_bytes = kv_cache[0].nbytes * num_layers

@@ -15,8 +15,9 @@ from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorPromMetrics,
-    KVConnectorRole,
     KVConnectorStats,
+    KVConnectorWorkerMetadata,
+    release_blocks_from,
 )
 from kvpolicy.vllm.state import WORKER_STATE
 
@@ -26,11 +27,44 @@ COUNTERS = {
         "vllm:kvpolicy_relocated_requests",
         "Requests whose prompt KV the policy moved into per-(layer, kv-head) pages.",
     ),
+    "compressed_requests": (
+        "vllm:kvpolicy_compressed_requests",
+        "Relocated requests that kept fewer prompt tokens than they had.",
+    ),
+    "released_blocks": (
+        "vllm:kvpolicy_released_blocks",
+        "vLLM KV blocks handed back to the block pool after compression.",
+    ),
+    "released_bytes": (
+        "vllm:kvpolicy_released_bytes",
+        "Bytes of KV cache handed back to vLLM after compression (all layers).",
+    ),
+    "prompt_kv_tokens": (
+        "vllm:kvpolicy_prompt_kv_tokens",
+        "Prompt tokens times layers times KV heads of relocated requests, before compression.",
+    ),
+    "kept_kv_tokens": (
+        "vllm:kvpolicy_kept_kv_tokens",
+        "Of those, the (token, layer, KV head) entries kept; kept / prompt is the compression ratio.",
+    ),
 }
 
 
 class KVPolicyConnectorMetadata(KVConnectorMetadata):
     """Nothing flows scheduler -> worker yet; the type marks a bound step."""
+
+
+@dataclass
+class BlockReleases(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: relocated requests need only their first ``keep_blocks[req]`` blocks."""
+
+    keep_blocks: dict[str, int]
+
+    def aggregate(self, other: "BlockReleases") -> "BlockReleases":
+        # Tensor-parallel ranks hold different heads: keep what the fullest rank needs.
+        for req_id, keep in other.keep_blocks.items():
+            self.keep_blocks[req_id] = max(keep, self.keep_blocks.get(req_id, 0))
+        return self
 
 
 @dataclass
@@ -71,10 +105,6 @@ class KVPolicyPromMetrics(KVConnectorPromMetrics):
 
 
 class KVPolicyConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        self._reported_relocations = 0
-
     # Scheduler side: no external KV, nothing to load.
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
@@ -87,6 +117,12 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         return False, None
+
+    def update_connector_output(self, connector_output) -> None:
+        releases = connector_output.kv_connector_worker_meta
+        if isinstance(releases, BlockReleases):
+            for req_id, keep in releases.keep_blocks.items():
+                release_blocks_from(self._kv_cache_manager, req_id, keep)
 
     # Worker side: attention runs in our backend; nothing to load or save per layer.
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -101,12 +137,31 @@ class KVPolicyConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         return None
 
+    def build_connector_worker_meta(self) -> BlockReleases | None:
+        """After the step's forward: every layer is relocated, so tail blocks can go."""
+        keep_blocks = {}
+        for req_id in WORKER_STATE.relocated_this_step:
+            pages = WORKER_STATE.requests.get(req_id)
+            if pages is None:
+                continue
+            keep = pages.blocks_needed()
+            released = pages.release_tail(keep)
+            keep_blocks[req_id] = keep
+            counters = WORKER_STATE.counters
+            counters["relocated_requests"] += 1
+            counters["released_blocks"] += released
+            counters["released_bytes"] += released * WORKER_STATE.block_bytes
+            counters["kept_kv_tokens"] += pages.kept_tokens()
+            prompt_len = WORKER_STATE.runner.requests[req_id].num_prompt_tokens
+            prompt_tokens = prompt_len * pages.num_layers * pages.num_heads
+            counters["prompt_kv_tokens"] += prompt_tokens
+            counters["compressed_requests"] += pages.kept_tokens() < prompt_tokens
+        WORKER_STATE.relocated_this_step.clear()
+        return BlockReleases(keep_blocks) if keep_blocks else None
+
     def get_kv_connector_stats(self) -> KVPolicyStats | None:
-        relocated = WORKER_STATE.relocated_requests - self._reported_relocations
-        if not relocated:
-            return None
-        self._reported_relocations = WORKER_STATE.relocated_requests
-        return KVPolicyStats(data={"relocated_requests": relocated})
+        counters = WORKER_STATE.take_counters()
+        return KVPolicyStats(data=counters) if counters else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPolicyStats:

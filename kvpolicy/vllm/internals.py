@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
-    KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -28,6 +28,23 @@ CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
 #: The worker the CPU platform would pick for ``worker_cls="auto"``.
 CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 
+
+
+def release_blocks_from(kv_cache_manager, req_id: str, keep_blocks: int) -> None:
+    """Free a request's blocks from block-table position ``keep_blocks`` on.
+
+    What sliding-window attention does with blocks it no longer reads
+    (``SingleTypeKVCacheManager._remove_blocks_in_range``, v1/core/
+    single_type_kv_cache_manager.py): the freed entries become the null block,
+    so the list keeps its length and vLLM keeps appending one block per
+    ``block_size`` logical tokens. A request that already finished is skipped.
+    """
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(req_id)
+        if blocks is not None:
+            manager._remove_blocks_in_range(req_id, keep_blocks, len(blocks))
+
+
 __all__ = [
     "AsyncEngineArgs",
     "AttentionBackendEnum",
@@ -37,7 +54,7 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorPromMetrics",
-    "KVConnectorRole",
+    "KVConnectorWorkerMetadata",
     "KVConnectorStats",
     "KVTransferConfig",
     "VllmConfig",
@@ -50,4 +67,5 @@ __all__ = [
     "has_kv_transfer_group",
     "ops",
     "register_backend",
+    "release_blocks_from",
 ]

@@ -1,39 +1,61 @@
-"""What one worker process knows about kvpolicy requests, shared by its backend and worker hook."""
+"""What one worker process knows about kvpolicy requests, shared by its backend, worker hook and connector."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import RequestPages
-from kvpolicy.policies import POLICIES, Policy
+from kvpolicy.policies import Policy
 
 
 @dataclass
 class WorkerState:
     """Per worker process: the policy, the model runner (to map batch rows to
-    request ids) and the page tables of every relocated request."""
+    request ids), the page tables of relocated requests, the observation-window
+    queries of prompts still being read, and counters for the metrics."""
 
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
     runner: Any = None
     requests: dict[str, RequestPages] = field(default_factory=dict)
-    relocated_requests: int = 0
+    window_queries: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+    relocated_this_step: list[str] = field(default_factory=list)
+    block_bytes: int = 0
+    counters: Counter = field(default_factory=Counter)
 
     def configure(self, config: KVPolicyConfig | None, runner: Any) -> None:
         self.config = config
-        self.policy = POLICIES[config.policy]() if config is not None else None
+        self.policy = config.make_policy() if config is not None else None
         self.runner = runner
         self.requests.clear()
+        self.window_queries.clear()
 
     @property
     def relocates(self) -> bool:
         return self.policy is not None and self.policy.relocates and self.runner is not None
 
+    def stash_window(self, req_id: str, layer: int, queries: torch.Tensor) -> None:
+        self.window_queries.setdefault(req_id, {}).setdefault(layer, []).append(queries)
+
+    def take_window(self, req_id: str, layer: int, last: torch.Tensor) -> torch.Tensor:
+        """All window queries of a prompt for one layer, [q_heads, window, head_dim]."""
+        earlier = self.window_queries.get(req_id, {}).pop(layer, [])
+        return torch.cat([*earlier, last]).transpose(0, 1)
+
     def forget(self, req_ids) -> None:
         for req_id in req_ids or ():
             self.requests.pop(req_id, None)
+            self.window_queries.pop(req_id, None)
+
+    def take_counters(self) -> dict[str, int]:
+        taken = dict(self.counters)
+        self.counters.clear()
+        return taken
 
 
 WORKER_STATE = WorkerState()

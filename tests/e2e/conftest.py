@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import json
+
 import pytest
 import requests
 
@@ -62,3 +64,26 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+ENGINE_RUNNER = Path(__file__).with_name("engine_run.py")
+
+
+@pytest.fixture(scope="session")
+def engine_run(model_path, tmp_path_factory):
+    """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags."""
+    out_dir = tmp_path_factory.mktemp("engine-runs")
+    done: dict[tuple[str, ...], dict] = {}
+
+    def run(*flags: str) -> dict:
+        if flags not in done:
+            out = out_dir / f"run{len(done)}.json"
+            proc = subprocess.run(
+                [sys.executable, str(ENGINE_RUNNER), "--model", str(model_path), "--out", str(out), *flags],
+                capture_output=True, text=True, timeout=900,
+            )
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            done[flags] = json.loads(out.read_text())
+        return done[flags]
+
+    return run

@@ -32,6 +32,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--policy", default=None)
+    parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--stock", action="store_true", help="load no vLLM plugin at all")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -45,7 +46,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = {} if args.stock else {"kv_policy": args.policy}
+    kwargs = {} if args.stock else {"kv_policy": args.policy, "kv_budget": args.budget}
     llm = LLM(
         args.model,
         dtype="float32",
@@ -70,11 +71,11 @@ def main() -> int:
         }
         for o in outputs
     ]
-    relocated = sum(
-        m.value for m in llm.get_metrics() if m.name == "vllm:kvpolicy_relocated_requests"
-    )
+    metrics = llm.get_metrics()
+    counters = {m.name.removeprefix("vllm:kvpolicy_"): m.value for m in metrics if m.name.startswith("vllm:kvpolicy_")}
+    usage = [m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"]
     with open(args.out, "w") as f:
-        json.dump({"relocated_requests": relocated, "requests": result}, f)
+        json.dump({"counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "requests": result}, f)
     return 0
 
 

@@ -87,3 +87,17 @@ def test_layout_moves_tokens_between_pages_like_the_cache_would():
         got_k, got_v = layout.gather(cache, pages.current_slots(0, [torch.arange(n) if h == head else torch.arange(0) for h in range(H)]))
         assert torch.equal(got_k, keys[head, keep[head]])
         assert torch.equal(got_v, values[head, keep[head]])
+
+
+def test_release_tail_frees_the_blocks_no_layer_uses():
+    pages = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=[5, 6, 7, 8, 9])
+    pages.relocate(0, [torch.arange(3), torch.arange(2)])
+    pages.relocate(1, [torch.arange(5), torch.arange(4)])  # 2 + 1 pages: both in the first two blocks
+    assert pages.blocks_needed() == 3  # ceil(3 / 2) + 1 spare
+    assert pages.release_tail(3) == 2
+    assert pages.blocks == [5, 6, 7, None, None]
+    assert all(p < 16 for free in pages.free for p in free)
+    pages.add_blocks([11])
+    assert pages.free[0][-2:] == [22, 23]
+    moves = pages.relocate(1, [torch.arange(1), torch.arange(1)])
+    assert moves.dst.max().item() < 16 * BS
