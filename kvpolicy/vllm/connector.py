@@ -47,6 +47,14 @@ COUNTERS = {
         "vllm:kvpolicy_kept_kv_tokens",
         "Of those, the (token, layer, KV head) entries kept; kept / prompt is the compression ratio.",
     ),
+    "held_kv_pages": (
+        "vllm:kvpolicy_held_kv_pages",
+        "One-head pages (blocks kept x layers x KV heads) compressed requests hold right after compression.",
+    ),
+    "ideal_kv_pages": (
+        "vllm:kvpolicy_ideal_kv_pages",
+        "Kept tokens / block size: the pages a perfect allocator would hold; ideal / held is memory efficiency.",
+    ),
 }
 
 
@@ -156,6 +164,8 @@ class KVPolicyConnector(KVConnectorBase_V1):
             prompt_tokens = prompt_len * pages.num_layers * pages.num_heads
             counters["prompt_kv_tokens"] += prompt_tokens
             counters["compressed_requests"] += pages.kept_tokens() < prompt_tokens
+            counters["held_kv_pages"] += keep * pages.num_layers * pages.num_heads
+            counters["ideal_kv_pages"] += pages.kept_tokens() / pages.block_size
         WORKER_STATE.relocated_this_step.clear()
         return BlockReleases(keep_blocks) if keep_blocks else None
 

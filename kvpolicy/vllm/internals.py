@@ -18,9 +18,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 #: Where the CPU platform's attention backend lives; we subclass its pieces.
@@ -54,9 +57,12 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorPromMetrics",
+    "InputProcessor",
     "KVConnectorWorkerMetadata",
     "KVConnectorStats",
     "KVTransferConfig",
+    "SamplingParams",
+    "VLLMValidationError",
     "VllmConfig",
     "current_platform",
     "envs",

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 SERVED_NAME = "smollm2"
+SERVED_POLICY, SERVED_BUDGET = "adasnap", 256
 STARTUP_TIMEOUT_S = 600
 
 
@@ -32,7 +33,8 @@ def server(model_path: Path, tmp_path_factory):
     cmd = [
         str(Path(sys.executable).parent / "vllm"), "serve", str(model_path),
         "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
-        "--host", "127.0.0.1", "--port", str(port), "--kv-policy", "identity",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--kv-policy", SERVED_POLICY, "--kv-budget", str(SERVED_BUDGET),
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -1,10 +1,24 @@
-"""The real OpenAI-compatible server with ``--kv-policy identity``, through the real openai client."""
+"""The real OpenAI-compatible server with ``--kv-policy adasnap --kv-budget 256``, through the real openai client."""
 
+import openai
+import pytest
 import requests
 
-from tests.e2e.conftest import SERVED_NAME
+from tests.e2e.conftest import SERVED_BUDGET, SERVED_NAME, SERVED_POLICY
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 120
+LAYERS_X_KV_HEADS = 30 * 3
+
+
+def kvpolicy_counters(server) -> dict[str, float]:
+    text = requests.get(f"{server}/metrics", timeout=30).text
+    counters = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kvpolicy_") and f'policy="{SERVED_POLICY}"' in line:
+            name = line.split("{", 1)[0].removeprefix("vllm:kvpolicy_").removesuffix("_total")
+            counters[name] = float(line.rsplit(" ", 1)[1])
+    return counters
 
 
 def test_chat_completion_answers_paris(client):
@@ -22,19 +36,41 @@ def test_streaming_matches_the_whole_reply(client):
     assert "".join(pieces) == whole.choices[0].message.content
 
 
-def test_long_prompt_completion(client):
-    prompt = "The quick brown fox jumps over the lazy dog. " * 120
-    reply = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=16, temperature=0)
+def test_long_prompt_is_compressed_and_blocks_released(client, server):
+    before = kvpolicy_counters(server)
+    reply = client.completions.create(model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=16, temperature=0)
     assert reply.usage.prompt_tokens > 1000
     assert reply.usage.completion_tokens == 16
+    after = kvpolicy_counters(server)
+    assert after["compressed_requests"] - before.get("compressed_requests", 0) == 1
+    assert after["released_blocks"] > before.get("released_blocks", 0)
+    kept = after["kept_kv_tokens"] - before.get("kept_kv_tokens", 0)
+    assert kept == pytest.approx(SERVED_BUDGET * LAYERS_X_KV_HEADS, rel=0.02)
 
 
-def test_metrics_are_served_with_kvpolicy_counters(client, server):
-    client.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=4)
+def test_per_request_budget_override(client, server):
+    before = kvpolicy_counters(server)
+    client.completions.create(
+        model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=4, temperature=0,
+        extra_body={"vllm_xargs": {"kv_budget": 64}},
+    )
+    kept = kvpolicy_counters(server)["kept_kv_tokens"] - before.get("kept_kv_tokens", 0)
+    assert kept == pytest.approx(64 * LAYERS_X_KV_HEADS, rel=0.02)
+
+
+@pytest.mark.parametrize("budget, message", [(-5, "kv_budget must be a positive integer"),
+                                            (16, "larger than the observation window"),
+                                            (10**6, "larger than the context limit")])
+def test_bad_request_budget_is_rejected_and_the_server_keeps_serving(client, budget, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(
+            model=SERVED_NAME, prompt="Hello", max_tokens=4, extra_body={"vllm_xargs": {"kv_budget": budget}}
+        )
+    reply = client.chat.completions.create(model=SERVED_NAME, messages=FRANCE, max_tokens=20, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+
+
+def test_metrics_are_served(server):
     text = requests.get(f"{server}/metrics", timeout=30).text
     assert "vllm:num_requests_running" in text
-    relocated = [
-        line for line in text.splitlines()
-        if line.startswith("vllm:kvpolicy_relocated_requests_total{") and 'policy="identity"' in line
-    ]
-    assert relocated and float(relocated[0].rsplit(" ", 1)[1]) >= 1
+    assert "vllm:kvpolicy_released_bytes_total" in text

@@ -49,3 +49,31 @@ def test_identity_keeps_every_token_of_every_head():
 
     keep = IdentityPolicy().keep(PromptKV(torch.zeros(3, 5, 4)), budget=2)
     assert [k.tolist() for k in keep] == [list(range(5))] * 3
+
+
+def test_compressing_policies_need_a_budget():
+    with pytest.raises(KVPolicyConfigError, match="--kv-policy adasnap needs --kv-budget or --kv-ratio"):
+        KVPolicyConfig(policy="adasnap")
+    with pytest.raises(KVPolicyConfigError, match="larger than the observation window"):
+        KVPolicyConfig(policy="snapkv", budget=32)
+
+
+def test_budget_for_a_prompt():
+    config = KVPolicyConfig(policy="adasnap", budget=256)
+    assert config.budget_for(3000) == 256
+    assert config.budget_for(256) is None, "a prompt within budget is not compressed"
+    assert config.budget_for(3000, override=100) == 100
+    assert KVPolicyConfig(policy="adasnap", ratio=0.1).budget_for(3000) == 300
+    assert KVPolicyConfig(policy="identity").budget_for(3000) is None
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [(-1, "positive integer"), (2.5, "positive integer"), (True, "positive integer"),
+     (20, "observation window"), (9000, "context limit")],
+)
+def test_per_request_budget_is_validated(value, message):
+    with pytest.raises(KVPolicyConfigError, match=message):
+        KVPolicyConfig(policy="adasnap", budget=256).check_request_budget(value, 8192)
+    with pytest.raises(KVPolicyConfigError, match="applies to compressing policies"):
+        KVPolicyConfig(policy="none").check_request_budget(128, 8192)

