@@ -1,7 +1,7 @@
 """Throughput with a KV pool small enough to be the bottleneck: policies x budgets, one engine each.
 
-    python benchmarks/throughput.py --quick      # <= 10 min here: budget 256, 128 output tokens
-    python benchmarks/throughput.py              # budgets 128/256/512, 512 and 128 output tokens
+    python benchmarks/throughput.py --quick      # ~10 min here: 5 requests, budget 256, 128 output tokens
+    python benchmarks/throughput.py              # 16 requests, budgets 128/256/512, 512 and 128 output tokens
 
 Every configuration runs in a fresh engine process (vLLM's offline ``LLM``
 driven step by step) on the same haystack prompts, all submitted at once.
@@ -27,10 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, haystack_prompts, markdown_table, provenance, write_json  # noqa: E402
 
-POLICIES = ["none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
+#: "stock" is vLLM without kvpolicy options; "none" is kvpolicy installed with --kv-policy none.
+POLICIES = ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
+UNBUDGETED = ("stock", "none", "identity")
 COLUMNS = [
     "policy", "budget", "output_len", "output_tokens_per_s", "peak_running", "preemptions",
-    "mean_blocks_held", "decode_ms_per_step", "ttft_s",
+    "mean_blocks_held", "memory_efficiency", "decode_ms_per_step", "ttft_s",
 ]
 
 
@@ -47,8 +49,8 @@ def run_one(args) -> dict:
 
     from kvpolicy.model import prepare
 
-    policy = {} if args.policy == "none" else {"kv_policy": args.policy}
-    if args.budget and args.policy not in ("none", "identity"):
+    policy = {} if args.policy == "stock" else {"kv_policy": args.policy}
+    if args.budget and args.policy not in UNBUDGETED:
         policy["kv_budget"] = args.budget
     llm = LLM(
         str(prepare()), dtype="float32", enforce_eager=True, max_model_len=args.ttft_len + 64,
@@ -59,6 +61,8 @@ def run_one(args) -> dict:
     tokenizer = llm.get_tokenizer()
     num_blocks = engine.vllm_config.cache_config.num_gpu_blocks
 
+    warmup = TokensPrompt(prompt_token_ids=haystack_prompts(tokenizer, 1, 256)[0])
+    llm.generate([warmup], SamplingParams(max_tokens=4), use_tqdm=False)
     probe = haystack_prompts(tokenizer, 1, args.ttft_len)[0]
     start = time.perf_counter()
     llm.generate([TokensPrompt(prompt_token_ids=probe)], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -89,7 +93,7 @@ def run_one(args) -> dict:
     after = llm.get_metrics()
     return {
         "policy": args.policy,
-        "budget": args.budget if args.policy not in ("none", "identity") else None,
+        "budget": args.budget if args.policy not in UNBUDGETED else None,
         "output_len": args.output_len,
         "output_tokens_per_s": output_tokens / wall,
         "peak_running": int(max(running)),
@@ -100,6 +104,11 @@ def run_one(args) -> dict:
         "ttft_s": ttft,
         "wall_s": wall,
         "released_blocks": _metric(after, "vllm:kvpolicy_released_blocks"),
+        "memory_efficiency": (
+            _metric(after, "vllm:kvpolicy_ideal_kv_pages") / held
+            if (held := _metric(after, "vllm:kvpolicy_held_kv_pages"))
+            else None
+        ),
         "free_blocks_restored": _metric(after, "vllm:kv_cache_usage_perc") == 0.0,
     }
 
@@ -128,10 +137,10 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="budget 256 and 128 output tokens only")
-    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--policies", nargs="+", default=None, help="default: all (quick: all but none)")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--output-lens", nargs="+", type=int, default=None)
-    parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=None, help="concurrent requests (quick 5, full 16)")
     parser.add_argument("--prompt-len", type=int, default=3000)
     parser.add_argument("--ttft-len", type=int, default=4000)
     parser.add_argument("--pool-mib", type=int, default=384, help="KV pool size (kv_cache_memory_bytes)")
@@ -149,15 +158,18 @@ def main() -> int:
 
     from tqdm import tqdm
 
+    args.requests = args.requests or (5 if args.quick else 16)
+    policies = args.policies or ([p for p in POLICIES if p != "none"] if args.quick else POLICIES)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
     output_lens = args.output_lens or ([128] if args.quick else [512, 128])
     grid = [
         (policy, budget, output_len)
         for output_len in output_lens
-        for policy in args.policies
-        for budget in ([None] if policy in ("none", "identity") else budgets)
+        for policy in policies
+        for budget in ([None] if policy in UNBUDGETED else budgets)
     ]
     rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     row_file = args.out.with_suffix(".row.tmp")
     for policy, budget, output_len in tqdm(grid, desc="configurations", unit="engine"):
         cmd = [

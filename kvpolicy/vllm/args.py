@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from dataclasses import fields
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_policy_name
 from kvpolicy.vllm.internals import (
+    CPU_RESERVED_CORES_ENV,
     AsyncEngineArgs,
     EngineArgs,
     InputProcessor,
@@ -128,6 +130,10 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
             raise KVPolicyConfigError(
                 f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype"
             )
+    # Our connector moves no KV between hosts: keep vLLM's stock core reservation
+    # (one per local rank) instead of the extra core it reserves for any connector.
+    ranks = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+    os.environ.setdefault(CPU_RESERVED_CORES_ENV, str(ranks))
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_role="kv_both",

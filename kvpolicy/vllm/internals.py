@@ -28,6 +28,9 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 #: Where the CPU platform's attention backend lives; we subclass its pieces.
 CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
+#: Cores vLLM's CPU executor keeps away from the workers (vllm/utils/ompmultiprocessing.py).
+#: It adds one per rank for *any* KV connector (meant for NIXL transfers).
+CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 #: The worker the CPU platform would pick for ``worker_cls="auto"``.
 CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 
@@ -52,6 +55,7 @@ __all__ = [
     "AsyncEngineArgs",
     "AttentionBackendEnum",
     "CPU_ATTN_MODULE",
+    "CPU_RESERVED_CORES_ENV",
     "CPU_WORKER_MODULE",
     "EngineArgs",
     "KVConnectorBase_V1",

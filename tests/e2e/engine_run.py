@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--policy", default=None)
     parser.add_argument("--budget", type=int, default=None)
+    parser.add_argument("--pool-mib", type=int, default=None, help="KV pool size; small forces preemption")
     parser.add_argument("--stock", action="store_true", help="load no vLLM plugin at all")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -47,6 +48,8 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     kwargs = {} if args.stock else {"kv_policy": args.policy, "kv_budget": args.budget}
+    if args.pool_mib:
+        kwargs["kv_cache_memory_bytes"] = args.pool_mib << 20
     llm = LLM(
         args.model,
         dtype="float32",
@@ -74,8 +77,10 @@ def main() -> int:
     metrics = llm.get_metrics()
     counters = {m.name.removeprefix("vllm:kvpolicy_"): m.value for m in metrics if m.name.startswith("vllm:kvpolicy_")}
     usage = [m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"]
+    preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
+    summary = {"counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions}
     with open(args.out, "w") as f:
-        json.dump({"counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "requests": result}, f)
+        json.dump({**summary, "requests": result}, f)
     return 0
 
 

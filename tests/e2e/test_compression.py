@@ -24,3 +24,4 @@ def test_requests_below_the_budget_stay_bitwise_identical(engine_run):
     for i, n in enumerate(PROMPT_LENS):
         if n <= BUDGET:
             assert ours[i] == stock[i], f"request {i} ({n} tokens) was not compressed and must be exact"
+
