@@ -66,11 +66,15 @@ class Relocation:
 
     ``window_idx``: this step's query tokens that belong to the observation
     window (earlier chunks' share is stashed in the worker state).
+    ``num_computed``: tokens in the cache after this step; more than the
+    prompt when a preempted request recomputes its prompt and output in one
+    go. The policy chooses among prompt tokens; later tokens are all kept.
     """
 
     req_id: str
     pages: RequestPages
     num_tokens: int
+    num_computed: int
     budget: int | None
     window_idx: torch.Tensor
 
@@ -143,7 +147,8 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             seq_len = int(seq_lens[row])
             start = seq_len - query_len
             num_blocks = -(-seq_len // self.block_size)
-            prompt_len = runner.requests[req_id].num_prompt_tokens
+            request = runner.requests[req_id]
+            prompt_len = request.num_prompt_tokens
             pages = WORKER_STATE.requests.get(req_id)
             if pages is not None and start < prompt_len:
                 # Preempted and recomputed from scratch: compression is redone.
@@ -157,13 +162,13 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 continue
             if start >= prompt_len or query_len == 0:
                 continue
-            request = runner.requests[req_id]
             override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
             budget = WORKER_STATE.config.budget_for(prompt_len, override)
             if budget is None and WORKER_STATE.policy.needs_budget:
                 continue  # short prompt: stays on the stock path
             window_idx = self._window_tokens(int(qsl[row]), start, seq_len, prompt_len)
-            if seq_len < prompt_len:
+            if seq_len < request.num_tokens:
+                # The prompt (after a preemption: prompt and output) is still being read.
                 if window_idx.numel():
                     stash.append(WindowStash(req_id, window_idx))
                 continue
@@ -172,7 +177,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             )
             WORKER_STATE.requests[req_id] = pages
             WORKER_STATE.relocated_this_step.append(req_id)
-            relocations.append(Relocation(req_id, pages, prompt_len, budget, window_idx))
+            relocations.append(Relocation(req_id, pages, prompt_len, seq_len, budget, window_idx))
         metadata = KVPolicyMetadata(**vars(metadata), relocations=relocations, window_stash=stash)
         if per_head_rows:
             metadata.per_head = self._per_head_batch(per_head_rows, qsl)
@@ -186,7 +191,8 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if not WORKER_STATE.policy.needs_window:
             return torch.zeros(0, dtype=torch.int64)
         window_start = max(prompt_len - WORKER_STATE.config.window, start)
-        return torch.arange(first_token + window_start - start, first_token + max(end, window_start) - start)
+        window_end = max(min(end, prompt_len), window_start)
+        return torch.arange(first_token + window_start - start, first_token + window_end - start)
 
     def _per_head_batch(self, rows, qsl) -> PerHeadBatch:
         heads = self.num_kv_heads
@@ -351,7 +357,8 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
                 window = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
             prompt = PromptKV(keys.view(heads, relocation.num_tokens, -1), window, layer_idx, num_layers)
             keep = WORKER_STATE.policy.keep(prompt, relocation.budget)
-            moves = pages.relocate(layer_idx, keep)
+            generated = torch.arange(relocation.num_tokens, relocation.num_computed)
+            moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in keep])
             k, v = layout.gather(pages_view, moves.src)
             layout.scatter(pages_view, moves.dst, k, v)
         if layer_idx == 0:

@@ -2,6 +2,12 @@
 
     python tests/e2e/engine_run.py --policy identity --out out.json
     python tests/e2e/engine_run.py --stock --out stock.json   # vLLM without kvpolicy
+    python tests/e2e/engine_run.py --policy adasnap --budget 128 --capture --out a.json
+
+``--capture`` also saves, beside the JSON, what the policy saw and chose for
+the longest prompt at a few layers (``<out>.captured.pt``): real tensors for
+the reference tests. It runs the engine core in this process to reach the
+worker's policy.
 
 Prompts of different lengths with chunked prefill on and a small token budget
 per step, so long prompts are read over several steps while short ones
@@ -19,6 +25,27 @@ import sys
 PROMPT_LENS = (40, 300, 700, 1100, 129, 256)
 MAX_TOKENS = 24
 LOGPROBS = 5
+CAPTURED_LAYERS = (0, 15, 29)
+
+
+class CapturingPolicy:
+    """The engine's policy, unchanged, plus a record of its inputs and kept indices for the longest prompt."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.records: dict[int, dict] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def keep(self, prompt, budget):
+        kept = self.policy.keep(prompt, budget)
+        if prompt.num_tokens == max(PROMPT_LENS) and prompt.layer in CAPTURED_LAYERS:
+            self.records.setdefault(prompt.layer, {
+                "keys": prompt.keys.clone(), "window_queries": prompt.window_queries.clone(),
+                "num_layers": prompt.num_layers, "budget": budget, "kept": [k.clone() for k in kept],
+            })
+        return kept
 
 
 def prompts(vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
@@ -35,11 +62,18 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--pool-mib", type=int, default=None, help="KV pool size; small forces preemption")
     parser.add_argument("--stock", action="store_true", help="load no vLLM plugin at all")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--capture", action="store_true", help="save the policy's inputs and choices")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.pool_mib is None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    if args.capture:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.stock:
         os.environ["VLLM_PLUGINS"] = ""
     else:
@@ -63,7 +97,11 @@ def main() -> int:
         disable_log_stats=False,
         **kwargs,
     )
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
+    if args.capture:
+        from kvpolicy.vllm.state import WORKER_STATE
+
+        WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params, use_tqdm=False)
     result = [
         {
@@ -79,6 +117,11 @@ def main() -> int:
     usage = [m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"]
     preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
     summary = {"counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions}
+    if args.capture:
+        import torch
+
+        summary["captured"] = args.out + ".captured.pt"
+        torch.save(capturing.records, summary["captured"])
     with open(args.out, "w") as f:
         json.dump({**summary, "requests": result}, f)
     return 0

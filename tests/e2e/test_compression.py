@@ -1,12 +1,20 @@
-"""A compressing policy in the real engine: blocks really go back to vLLM, untouched requests stay exact."""
+"""A compressing policy in the real engine: blocks really go back to vLLM, untouched requests stay exact,
+preemption redoes compression, and the policy's choices on real tensors equal the plain reference."""
 
+import pytest
+import torch
+
+from kvpolicy.policies import PromptKV, make_policy
 from tests.e2e.engine_run import PROMPT_LENS
+from tests.snapkv_reference import reference_ada_counts, reference_keep, reference_pyramid, reference_scores
 
 BUDGET = 128
+ADASNAP = ("--policy", "adasnap", "--budget", str(BUDGET), "--capture")
+WINDOW, KERNEL = 32, 7
 
 
 def test_adasnap_releases_blocks_and_returns_them_all(engine_run):
-    run = engine_run("--policy", "adasnap", "--budget", str(BUDGET))
+    run = engine_run(*ADASNAP)
     counters = run["counters"]
     compressible = sum(n > BUDGET for n in PROMPT_LENS)
     assert counters["relocated_requests"] == counters["compressed_requests"] == compressible
@@ -20,8 +28,63 @@ def test_adasnap_releases_blocks_and_returns_them_all(engine_run):
 
 def test_requests_below_the_budget_stay_bitwise_identical(engine_run):
     stock = engine_run("--stock")["requests"]
-    ours = engine_run("--policy", "adasnap", "--budget", str(BUDGET))["requests"]
+    ours = engine_run(*ADASNAP)["requests"]
     for i, n in enumerate(PROMPT_LENS):
         if n <= BUDGET:
             assert ours[i] == stock[i], f"request {i} ({n} tokens) was not compressed and must be exact"
 
+
+@pytest.fixture(scope="module")
+def captured(engine_run):
+    """What adasnap saw and kept in the engine, for the 1,100-token prompt at layers 0, 15 and 29."""
+    run = engine_run(*ADASNAP)
+    records = torch.load(run["captured"])
+    assert sorted(records) == [0, 15, 29]
+    return records
+
+
+@pytest.mark.parametrize("layer", [0, 15, 29])
+def test_kept_indices_on_captured_tensors_equal_the_reference(captured, layer):
+    record = captured[layer]
+    keys, queries = record["keys"], record["window_queries"]
+    assert record["budget"] == BUDGET and keys.shape[1] == max(PROMPT_LENS)
+    scores = reference_scores(keys, queries, WINDOW, KERNEL)
+    length, heads = keys.shape[1], keys.shape[0]
+    expected = reference_keep(reference_ada_counts(scores, BUDGET - WINDOW, 0.5), scores, length, WINDOW)
+    assert [k.tolist() for k in record["kept"]] == expected, "the engine's choice"
+    prompt = PromptKV(keys, queries, layer, record["num_layers"])
+    snapkv = make_policy("snapkv").keep(prompt, BUDGET)
+    assert [k.tolist() for k in snapkv] == reference_keep([BUDGET - WINDOW] * heads, scores, length, WINDOW)
+    capacity = reference_pyramid(BUDGET - WINDOW, length - WINDOW, layer, record["num_layers"])
+    pyramid = make_policy("pyramid").keep(prompt, BUDGET)
+    assert [k.tolist() for k in pyramid] == reference_keep([capacity] * heads, scores, length, WINDOW)
+
+
+#: A 16-block pool (2,048 tokens) and 200 output tokens each: vLLM must preempt and recompute.
+TIGHT = ("--pool-mib", "96", "--max-tokens", "200")
+
+
+def test_preempted_relocated_requests_recompute_like_stock(engine_run):
+    """identity relocates but drops nothing, so through preemption it must give stock vLLM's tokens.
+
+    Not bitwise in logprobs: stock vLLM itself is not, run to run, once it
+    preempts (we saw the last steps of a request differ between two stock runs).
+    """
+    stock = engine_run("--stock", *TIGHT)
+    identity = engine_run("--policy", "identity", *TIGHT)
+    assert stock["preemptions"] > 0 and identity["preemptions"] == stock["preemptions"]
+    for i, (a, b) in enumerate(zip(stock["requests"], identity["requests"])):
+        assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
+        for step_a, step_b in zip(a["logprobs"], b["logprobs"]):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-3 for t in step_a)
+    assert identity["kv_cache_usage_end"] == 0.0
+
+
+def test_preemption_recompresses_and_returns_every_block(engine_run):
+    run = engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT)
+    compressible = sum(n > BUDGET for n in PROMPT_LENS)
+    assert run["preemptions"] > 0
+    assert run["counters"]["compressed_requests"] > compressible, "a preempted request is compressed again"
+    assert all(len(r["token_ids"]) == 200 for r in run["requests"])
+    assert run["kv_cache_usage_end"] == 0.0

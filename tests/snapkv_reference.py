@@ -1,0 +1,62 @@
+"""Plain references for the observation-window policies, written from the Ada-KV paper with loops.
+
+No code shared with ``kvpolicy.policies``: per query head and window query a
+causal softmax; summed over the window; max-pooled with kernel k; averaged
+over a GQA group; then top-k per head (SnapKV), layer-wide top-k with the
+alpha safeguard (Ada-KV), or pyramidal layer capacities (PyramidKV).
+"""
+
+import math
+
+import torch
+
+
+def reference_scores(keys, queries, window, kernel):
+    H, length, D = keys.shape
+    G = queries.shape[0] // H
+    prefix = length - window
+    scores = torch.zeros(H, prefix, dtype=torch.float64)
+    for h in range(H):
+        for g in range(G):
+            q_head = h * G + g
+            summed = [0.0] * prefix
+            for i in range(window):
+                position = prefix + i
+                logits = [
+                    float(torch.dot(queries[q_head, i].double(), keys[h, j].double())) / math.sqrt(D)
+                    for j in range(position + 1)
+                ]
+                top = max(logits)
+                exps = [math.exp(x - top) for x in logits]
+                total = sum(exps)
+                for j in range(prefix):
+                    summed[j] += exps[j] / total
+            pooled = [max(summed[max(0, j - kernel // 2): j + kernel // 2 + 1]) for j in range(prefix)]
+            for j in range(prefix):
+                scores[h, j] += pooled[j] / G
+    return scores
+
+
+def best(scores_row, n):
+    order = sorted(range(len(scores_row)), key=lambda j: (-scores_row[j], j))
+    return sorted(order[:n])
+
+
+def reference_keep(counts, scores, length, window):
+    recent = list(range(length - window, length))
+    return [best(scores[h].tolist(), counts[h]) + recent for h in range(len(counts))]
+
+
+def reference_ada_counts(scores, capacity, alpha):
+    H = scores.shape[0]
+    flat = [(-float(scores[h, j]), h, j) for h in range(H) for j in range(scores.shape[1])]
+    winners = sorted(flat)[: H * capacity]
+    counts = [sum(1 for _, h, _ in winners if h == head) for head in range(H)]
+    return [round(c * (1 - alpha) + int(capacity * alpha)) for c in counts]
+
+
+def reference_pyramid(capacity, prefix, layer, layers, beta=20):
+    low, high = capacity // beta, 2 * capacity - capacity // beta
+    if high >= prefix:
+        high, low = prefix, 2 * capacity - prefix
+    return high - layer * ((high - low) // (layers - 1))
