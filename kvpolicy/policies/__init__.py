@@ -3,13 +3,14 @@
 from dataclasses import fields
 
 from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.keydiff import KeyDiff
 from kvpolicy.policies.passthrough import IdentityPolicy, NoPolicy
 from kvpolicy.policies.snapkv import AdaPyramid, AdaSnapKV, PyramidKV, SnapKV
 from kvpolicy.policies.streaming import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM)
+    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM, KeyDiff)
 }
 
 

@@ -14,13 +14,19 @@ class PromptKV:
 
     ``keys``: [kv_heads, prompt_len, head_dim]. ``window_queries``: the last
     prompt queries of this layer, [q_heads, window, head_dim] (post-RoPE, as
-    attention sees them), or None for attention-free policies.
+    attention sees them), or None for attention-free policies. ``queries``:
+    every prompt query, [q_heads, prompt_len, head_dim], for policies that
+    accumulate attention over the whole prompt (H2O, D2O). ``values``:
+    [kv_heads, prompt_len, head_dim], for policies that rewrite kept tokens
+    (D2O merges evicted values into them).
     """
 
     keys: torch.Tensor
     window_queries: torch.Tensor | None = None
     layer: int = 0
     num_layers: int = 1
+    queries: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -37,12 +43,14 @@ class Policy:
 
     ``relocates``: requests leave vLLM's stock layout for per-(request, layer,
     kv-head) pages once their prompt is read. ``needs_window``: the backend
-    must hand over the last ``window`` prompt queries.
+    must hand over the last ``window`` prompt queries. ``needs_queries``: it
+    must hand over every prompt query (and the values).
     """
 
     name: ClassVar[str]
     relocates: ClassVar[bool]
     needs_window: ClassVar[bool] = False
+    needs_queries: ClassVar[bool] = False
     needs_budget: ClassVar[bool] = True
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:

@@ -1,0 +1,151 @@
+"""D2O (d2o.txt): layer budgets from attention variance; H2O eviction with sinks; evicted tokens merged back.
+
+Readings we chose (the paper's equations did not survive text extraction;
+the prose of §4, Table 4, §5.1 and App. A.3 settles them):
+
+- Layer density (§4.1, eq. 4): per query head, the column sums of the causal
+  softmax attention of every prompt query (the "cumulative attention
+  sequence"); its population variance over positions; averaged over the
+  layer's query heads.
+- Layer budgets (eq. 5, Table 4 "inverse variance softmax"): layer l gets
+  ``layers * budget * softmax_l(1 / var_l)`` tokens per KV head, rounded by
+  largest remainder (floors, then one more token to the largest fractional
+  parts, ties to the lower layer), so the total is exactly
+  ``layers * budget``. A layer whose budget reaches its prompt length keeps
+  the prompt whole; its surplus is not handed to other layers.
+- Eviction (§4.2.1, eq. 6-8): H2O accumulated attention (GQA: mean over the
+  group), the first ``sink_tokens`` and the last ``floor(budget *
+  recent_fraction)`` tokens always kept; ``recent_fraction`` = 1/4 from
+  N:M = 3:1 (§5.1, A.3). Sinks and recent tokens both count in ``budget``.
+- Matching (eq. 9): each evicted key's cosine similarity to every kept key
+  of its KV head (sinks, heavy hitters and recent tokens alike); its nearest
+  kept key (ties to the earlier one).
+- EMA threshold (eq. 10), one per KV head: at the prompt, the mean over the
+  evicted tokens of their best similarity; at each later eviction,
+  ``beta * mean(best similarities of this step) + (1 - beta) * previous``,
+  beta = 0.7 (A.3). The threshold is updated first; an evicted token is then
+  merged if its best similarity reaches it, and discarded otherwise.
+- Weighted merge (eq. 11-12, GAT-style): a kept token j and the evicted
+  tokens merged into it are averaged with weights ``exp(similarity)``, j's
+  own similarity being 1: ``k_j <- (e*k_j + sum_i exp(u_ij) k_i) / (e + sum_i
+  exp(u_ij))``; values take the same weights (§4.2.2: similarity on keys only,
+  shared with values). Computed in float64, returned in the input dtype.
+
+Not registered in ``POLICIES``: the engine hands neither every prompt query
+nor the values to a policy, nor writes merged K/V back, nor computes all
+layers' variances before the first layer is compressed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.h2o import accumulated_attention, attention_column_sums, heavy_hitters
+
+
+def prompt_attention_variance(keys: torch.Tensor, queries: torch.Tensor) -> float:
+    """A layer's attention density (eq. 4): variance of each query head's column sums, averaged over heads."""
+    return attention_column_sums(keys, queries).var(dim=-1, correction=0).mean().item()
+
+
+def layer_budgets(variances: list[float], budget: int) -> list[int]:
+    """Tokens per KV head for each layer (eq. 5): inverse-variance softmax of ``layers * budget``."""
+    shares = torch.softmax(1 / torch.tensor(variances, dtype=torch.float64), dim=0)
+    total = len(variances) * budget
+    exact = shares * total
+    counts = exact.floor()
+    by_remainder = (counts - exact).argsort(stable=True)
+    counts[by_remainder[: total - int(counts.sum())]] += 1
+    return counts.long().tolist()
+
+
+def merge_evicted(
+    kept_keys: torch.Tensor,
+    kept_values: torch.Tensor,
+    evicted_keys: torch.Tensor,
+    evicted_values: torch.Tensor,
+    threshold: torch.Tensor | None,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Merge evicted tokens into their nearest kept tokens when similar enough (eq. 9-12).
+
+    Keys and values: [kv_heads, n, D] (kept) and [kv_heads, m, D] (evicted).
+    ``threshold``: [kv_heads], the EMA threshold of earlier steps, None at the
+    prompt. Returns the kept keys and values after merging and the updated
+    threshold. Serves the prompt (many evicted) and decode (one per step).
+    """
+    if evicted_keys.shape[1] == 0:
+        return kept_keys, kept_values, threshold
+    unit_evicted, unit_kept = (F.normalize(k.double(), dim=-1) for k in (evicted_keys, kept_keys))
+    similarity = unit_evicted @ unit_kept.transpose(1, 2)
+    best, nearest = similarity.max(dim=-1)
+    step = best.mean(dim=-1)
+    threshold = step if threshold is None else beta * step + (1 - beta) * threshold
+    weight = torch.where(best >= threshold[:, None], best.exp(), 0.0)
+    norm = torch.full(kept_keys.shape[:2], math.e, dtype=torch.float64).scatter_add(1, nearest, weight)
+
+    def fuse(kept: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
+        target = nearest[..., None].expand(-1, -1, evicted.shape[-1])
+        summed = (math.e * kept.double()).scatter_add(1, target, weight[..., None] * evicted.double())
+        return (summed / norm[..., None]).to(kept.dtype)
+
+    return fuse(kept_keys, evicted_keys), fuse(kept_values, evicted_values), threshold
+
+
+@dataclass(frozen=True)
+class MergedKV:
+    """What D2O leaves of one layer's prompt.
+
+    ``kept``: positions per KV head, ascending; ``keys``/``values``: their
+    K/V after merging, [kv_heads, kept, D]; ``threshold``: the per-head EMA
+    threshold to carry into decode (None when nothing was evicted).
+    """
+
+    kept: list[torch.Tensor]
+    keys: torch.Tensor
+    values: torch.Tensor
+    threshold: torch.Tensor | None
+
+
+def _gather(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return tensor.gather(1, positions[..., None].expand(-1, -1, tensor.shape[-1]))
+
+
+@dataclass(frozen=True)
+class D2O(Policy):
+    """D2O at prompt end; ``budget`` is this layer's budget, from ``layer_budgets``."""
+
+    name = "d2o"
+    relocates = True
+    needs_queries = True
+    sink_tokens: int = 4
+    recent_fraction: float = 0.25
+    beta: float = 0.7
+
+    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
+        return self.compress(prompt, budget).kept
+
+    def compress(self, prompt: PromptKV, budget: int) -> MergedKV:
+        if prompt.num_tokens <= budget:
+            return MergedKV(self.keep_all(prompt), prompt.keys, prompt.values, None)
+        recent = int(budget * self.recent_fraction)
+        sinks = min(self.sink_tokens, budget - recent)
+        scores = accumulated_attention(prompt.keys, prompt.queries)
+        kept = heavy_hitters(scores, budget, recent, sinks)
+        heads, length = scores.shape
+        dropped = torch.ones(heads, length, dtype=torch.bool).scatter(1, kept, False)
+        evicted = torch.arange(length).expand(heads, -1)[dropped].view(heads, -1)
+        keys, values, threshold = merge_evicted(
+            _gather(prompt.keys, kept),
+            _gather(prompt.values, kept),
+            _gather(prompt.keys, evicted),
+            _gather(prompt.values, evicted),
+            None,
+            self.beta,
+        )
+        return MergedKV(list(kept.unbind(0)), keys, values, threshold)

@@ -1,0 +1,248 @@
+"""KeyDiff, H2O and D2O against plain loop references written from the papers, on random tensors.
+
+No code shared with ``kvpolicy.policies``: cosine similarities, softmaxes,
+column sums, rankings and merges are Python loops over lists of floats.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kvpolicy.policies import POLICIES, PromptKV, make_policy
+from kvpolicy.policies.d2o import D2O, layer_budgets, merge_evicted, prompt_attention_variance
+from kvpolicy.policies.h2o import H2O, h2o_decode_step
+from kvpolicy.policies.keydiff import keydiff_block_step
+
+H, G, D, L = 3, 3, 8, 70
+
+
+def dot(a, b):
+    return sum(x * y for x, y in zip(a, b))
+
+
+def cosine(a, b):
+    return dot(a, b) / (math.sqrt(dot(a, a)) * math.sqrt(dot(b, b)))
+
+
+def top(scores, n):
+    """Indices of the n highest scores, ties to the earlier index, ascending."""
+    return sorted(sorted(range(len(scores)), key=lambda j: (-scores[j], j))[:n])
+
+
+def reference_keydiff(keys, budget):
+    """Eq. 8 on one head's cache (a list of key vectors): keep the keys least similar to the mean unit key."""
+    units = [[x / math.sqrt(dot(k, k)) for x in k] for k in keys]
+    anchor = [sum(u[d] for u in units) / len(units) for d in range(len(keys[0]))]
+    return top([-cosine(k, anchor) for k in keys], budget)
+
+
+def reference_column_sums(keys, queries, q_head):
+    """Column sums of one query head's causal softmax attention over the whole prompt."""
+    kv_head = q_head // (len(queries) // len(keys))
+    length = len(keys[0])
+    sums = [0.0] * length
+    for i in range(length):
+        logits = [dot(queries[q_head][i], keys[kv_head][j]) / math.sqrt(len(keys[0][0])) for j in range(i + 1)]
+        peak = max(logits)
+        exps = [math.exp(x - peak) for x in logits]
+        for j in range(i + 1):
+            sums[j] += exps[j] / sum(exps)
+    return sums
+
+
+def reference_h2o_scores(keys, queries):
+    group = len(queries) // len(keys)
+    per_query_head = [reference_column_sums(keys, queries, q) for q in range(len(queries))]
+    return [
+        [sum(per_query_head[h * group + g][j] for g in range(group)) / group for j in range(len(keys[0]))]
+        for h in range(len(keys))
+    ]
+
+
+def reference_heavy_hitters(scores, budget, recent, sinks):
+    length = len(scores)
+    middle = list(range(sinks, length - recent))
+    best = [middle[i] for i in top([scores[j] for j in middle], budget - recent - sinks)]
+    return sorted(list(range(sinks)) + best + list(range(length - recent, length)))
+
+
+@pytest.fixture(params=[0, 1, 2])
+def prompt(request):
+    gen = torch.Generator().manual_seed(request.param)
+    keys = torch.randn(H, L, D, generator=gen, dtype=torch.float64)
+    values = torch.randn(H, L, D, generator=gen, dtype=torch.float64)
+    queries = torch.randn(H * G, L, D, generator=gen, dtype=torch.float64) * 2
+    return PromptKV(keys, queries=queries, values=values)
+
+
+def as_lists(keep):
+    return [k.tolist() for k in keep]
+
+
+def test_registry_has_keydiff_only():
+    assert POLICIES["keydiff"].relocates and not POLICIES["keydiff"].needs_window
+    assert "h2o" not in POLICIES and "d2o" not in POLICIES
+    assert H2O.needs_queries and D2O.needs_queries and not POLICIES["keydiff"].needs_queries
+
+
+def test_keydiff_keeps_the_keys_least_like_the_anchor(prompt):
+    keys = prompt.keys.tolist()
+    got = make_policy("keydiff").keep(prompt, 20)
+    assert as_lists(got) == [reference_keydiff(keys[h], 20) for h in range(H)]
+
+
+@pytest.mark.parametrize("block", [7, 16, 70])
+def test_keydiff_block_processing_matches_a_loop_over_blocks(prompt, block):
+    budget = 20
+    expected = []
+    for h in range(H):
+        cache = []  # (position, key) in position order
+        for start in range(0, L, block):
+            cache += [(p, prompt.keys[h, p].tolist()) for p in range(start, min(start + block, L))]
+            if len(cache) > budget:
+                cache = [cache[i] for i in reference_keydiff([k for _, k in cache], budget)]
+        expected.append([p for p, _ in cache])
+
+    positions = torch.zeros(H, 0, dtype=torch.int64)
+    cached = prompt.keys[:, :0]
+    for start in range(0, L, block):
+        new = torch.arange(start, min(start + block, L)).expand(H, -1)
+        survivors = keydiff_block_step(cached, prompt.keys[:, start : start + block], budget)
+        positions = torch.cat([positions, new], dim=1).gather(1, survivors)
+        cached = prompt.keys.gather(1, positions[..., None].expand(-1, -1, D))
+    assert positions.tolist() == expected
+    if block >= L:
+        assert positions.tolist() == as_lists(make_policy("keydiff").keep(prompt, budget))
+
+
+def test_h2o_keeps_recent_tokens_and_heavy_hitters(prompt):
+    scores = reference_h2o_scores(prompt.keys.tolist(), prompt.queries.tolist())
+    got = H2O(recent_tokens=8).keep(prompt, 24)
+    assert as_lists(got) == [reference_heavy_hitters(scores[h], 24, 8, 0) for h in range(H)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_h2o_decode_step_accumulates_and_evicts_the_lightest_older_token(seed):
+    gen = torch.Generator().manual_seed(seed)
+    cached, budget, recent = 12, 12, 4
+    scores = torch.rand(H, cached, generator=gen, dtype=torch.float64) * 5
+    weights = torch.randn(H * G, cached + 1, generator=gen, dtype=torch.float64).softmax(dim=-1)
+    updated, evicted = h2o_decode_step(scores, weights, budget, recent)
+    for h in range(H):
+        summed = scores[h].tolist() + [0.0]
+        for j in range(cached + 1):
+            summed[j] += sum(weights[h * G + g, j].item() for g in range(G)) / G
+        kept = top(summed[: cached + 1 - recent], budget - recent) + list(range(cached + 1 - recent, cached + 1))
+        (lost,) = set(range(cached + 1)) - set(kept)
+        assert evicted[h].item() == lost
+        assert updated[h].tolist() == pytest.approx([summed[j] for j in kept], abs=1e-12)
+    within, none = h2o_decode_step(scores, weights, budget + 1, recent)
+    assert none is None and within.shape == (H, cached + 1)
+
+
+def test_h2o_decode_step_ties_evict_the_later_token():
+    scores = torch.tensor([[1.0, 0.0, 0.0, 2.0, 5.0]])
+    _, evicted = h2o_decode_step(scores, torch.zeros(1, 6), budget=5, recent_tokens=1)
+    assert evicted.tolist() == [2]
+
+
+def test_d2o_layer_variance_is_the_mean_over_query_heads(prompt):
+    keys, queries = prompt.keys.tolist(), prompt.queries.tolist()
+    variances = []
+    for q in range(H * G):
+        sums = reference_column_sums(keys, queries, q)
+        mean = sum(sums) / L
+        variances.append(sum((s - mean) ** 2 for s in sums) / L)
+    assert prompt_attention_variance(prompt.keys, prompt.queries) == pytest.approx(sum(variances) / len(variances))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_d2o_layer_budgets_inverse_variance_softmax(seed):
+    gen = torch.Generator().manual_seed(seed)
+    variances = (torch.rand(30, generator=gen, dtype=torch.float64) * 3 + 0.3).tolist()
+    budget = 101
+    weights = [math.exp(1 / v) for v in variances]
+    exact = [30 * budget * w / sum(weights) for w in weights]
+    counts = [math.floor(x) for x in exact]
+    for layer in sorted(range(30), key=lambda i: (-(exact[i] - counts[i]), i))[: 30 * budget - sum(counts)]:
+        counts[layer] += 1
+    got = layer_budgets(variances, budget)
+    assert got == counts
+    assert sum(got) == 30 * budget
+    order = sorted(range(30), key=lambda i: variances[i])
+    assert [got[i] for i in order] == sorted(got, reverse=True), "denser layers (lower variance) keep more"
+
+
+def reference_merge(kept_keys, kept_values, evicted_keys, evicted_values, threshold, beta):
+    """Eq. 9-12 for one head: nearest kept key, EMA threshold, weighted merge of K and V."""
+    nearest, best = [], []
+    for e in evicted_keys:
+        sims = [cosine(e, k) for k in kept_keys]
+        nearest.append(max(range(len(sims)), key=lambda j: (sims[j], -j)))
+        best.append(sims[nearest[-1]])
+    step = sum(best) / len(best)
+    threshold = step if threshold is None else beta * step + (1 - beta) * threshold
+    keys, values, merged = [], [], 0
+    for j, (k, v) in enumerate(zip(kept_keys, kept_values)):
+        weights = [math.exp(best[i]) for i in range(len(best)) if nearest[i] == j and best[i] >= threshold]
+        sources = [i for i in range(len(best)) if nearest[i] == j and best[i] >= threshold]
+        merged += len(sources)
+        norm = math.e + sum(weights)
+        keys.append([(math.e * k[d] + sum(w * evicted_keys[i][d] for w, i in zip(weights, sources))) / norm
+                     for d in range(len(k))])
+        values.append([(math.e * v[d] + sum(w * evicted_values[i][d] for w, i in zip(weights, sources))) / norm
+                       for d in range(len(v))])
+    return keys, values, threshold, merged
+
+
+def test_d2o_evicts_by_accumulated_attention_and_merges_into_nearest_keys(prompt):
+    budget = 24
+    recent, sinks = 6, 4  # N:M = 3:1
+    scores = reference_h2o_scores(prompt.keys.tolist(), prompt.queries.tolist())
+    got = D2O().compress(prompt, budget)
+    for h in range(H):
+        kept = reference_heavy_hitters(scores[h], budget, recent, sinks)
+        evicted = [p for p in range(L) if p not in kept]
+        keys, values = prompt.keys[h].tolist(), prompt.values[h].tolist()
+        ref_keys, ref_values, threshold, merged = reference_merge(
+            [keys[p] for p in kept], [values[p] for p in kept],
+            [keys[p] for p in evicted], [values[p] for p in evicted], None, 0.7,
+        )
+        assert 0 < merged < len(evicted), "the test exercises both merging and discarding"
+        assert got.kept[h].tolist() == kept
+        assert torch.allclose(got.keys[h], torch.tensor(ref_keys, dtype=torch.float64), atol=1e-6, rtol=0)
+        assert torch.allclose(got.values[h], torch.tensor(ref_values, dtype=torch.float64), atol=1e-6, rtol=0)
+        assert got.threshold[h].item() == pytest.approx(threshold, abs=1e-12)
+    assert as_lists(D2O().keep(prompt, budget)) == as_lists(got.kept)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_d2o_decode_merge_updates_the_ema_threshold(seed):
+    gen = torch.Generator().manual_seed(seed)
+    kept_keys, kept_values = torch.randn(2, H, 10, D, generator=gen, dtype=torch.float64)
+    evicted_keys, evicted_values = torch.randn(2, H, 1, D, generator=gen, dtype=torch.float64)
+    previous = torch.rand(H, generator=gen, dtype=torch.float64) - 0.2
+    keys, values, threshold = merge_evicted(kept_keys, kept_values, evicted_keys, evicted_values, previous, 0.7)
+    for h in range(H):
+        ref_keys, ref_values, ref_threshold, _ = reference_merge(
+            kept_keys[h].tolist(), kept_values[h].tolist(),
+            evicted_keys[h].tolist(), evicted_values[h].tolist(), previous[h].item(), 0.7,
+        )
+        assert threshold[h].item() == pytest.approx(ref_threshold, abs=1e-12)
+        assert torch.allclose(keys[h], torch.tensor(ref_keys, dtype=torch.float64), atol=1e-6, rtol=0)
+        assert torch.allclose(values[h], torch.tensor(ref_values, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("policy", [make_policy("keydiff"), H2O(), D2O()], ids=["keydiff", "h2o", "d2o"])
+def test_short_prompts_are_kept_whole(policy):
+    keys, values = torch.randn(2, H, 30, D)
+    prompt = PromptKV(keys, queries=torch.randn(H * G, 30, D), values=values)
+    assert as_lists(policy.keep(prompt, 40)) == [list(range(30))] * H
+    assert as_lists(policy.keep(prompt, 30)) == [list(range(30))] * H
+
+
+def test_d2o_short_prompt_is_not_merged():
+    keys, values = torch.randn(2, H, 30, D)
+    merged = D2O().compress(PromptKV(keys, queries=torch.randn(H * G, 30, D), values=values), 30)
+    assert merged.keys is keys and merged.values is values and merged.threshold is None
