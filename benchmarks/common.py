@@ -22,13 +22,13 @@ def haystack_text() -> str:
     return "\n\n".join(p.read_text() for p in sorted(folder.glob("*.txt")))
 
 
-def haystack_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """``count`` prompts of exactly ``length`` tokens, from different places in the haystack."""
+def haystack_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """One prompt per entry of ``lengths``, that many tokens each, from evenly spread places in the haystack."""
     ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
-    stride = max(1, (len(ids) - length) // max(count, 1))
-    prompts = [ids[i * stride : i * stride + length] for i in range(count)]
-    if any(len(p) < length for p in prompts):
-        raise SystemExit(f"the haystack has {len(ids)} tokens: too few for {count} prompts of {length}")
+    stride = max(1, (len(ids) - max(lengths)) // len(lengths))
+    prompts = [ids[i * stride : i * stride + length] for i, length in enumerate(lengths)]
+    if any(len(p) < length for p, length in zip(prompts, lengths)):
+        raise SystemExit(f"the haystack has {len(ids)} tokens: too few for prompts of {max(lengths)}")
     return prompts
 
 
@@ -69,3 +69,14 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_results(out: Path, settings: dict, rows: list[dict], columns: list[str], plot) -> None:
+    """The results contract: JSON (provenance, settings, runs), a markdown table and a plot beside it."""
+    payload = {**provenance(sys.argv), "settings": settings, "runs": rows}
+    write_json(out, payload)
+    table = markdown_table(rows, columns)
+    out.with_suffix(".md").write_text(table + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(table)
+    print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")

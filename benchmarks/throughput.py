@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, markdown_table, provenance, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
 
 #: "stock" is vLLM without kvpolicy options; "none" is kvpolicy installed with --kv-policy none.
 POLICIES = ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
@@ -61,14 +61,14 @@ def run_one(args) -> dict:
     tokenizer = llm.get_tokenizer()
     num_blocks = engine.vllm_config.cache_config.num_gpu_blocks
 
-    warmup = TokensPrompt(prompt_token_ids=haystack_prompts(tokenizer, 1, 256)[0])
+    warmup = TokensPrompt(prompt_token_ids=haystack_prompts(tokenizer, [256])[0])
     llm.generate([warmup], SamplingParams(max_tokens=4), use_tqdm=False)
-    probe = haystack_prompts(tokenizer, 1, args.ttft_len)[0]
+    probe = haystack_prompts(tokenizer, [args.ttft_len])[0]
     start = time.perf_counter()
     llm.generate([TokensPrompt(prompt_token_ids=probe)], SamplingParams(max_tokens=1), use_tqdm=False)
     ttft = time.perf_counter() - start
 
-    prompts = haystack_prompts(tokenizer, args.requests, args.prompt_len)
+    prompts = haystack_prompts(tokenizer, [args.prompt_len] * args.requests)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", TokensPrompt(prompt_token_ids=prompt), params)
@@ -185,18 +185,11 @@ def main() -> int:
         rows.append(json.loads(row_file.read_text()))
     row_file.unlink(missing_ok=True)
 
-    payload = provenance(sys.argv)
-    payload["settings"] = {
+    settings = {
         "requests": args.requests, "prompt_len": args.prompt_len, "ttft_len": args.ttft_len,
         "pool_mib": args.pool_mib, "quick": args.quick,
     }
-    payload["runs"] = rows
-    write_json(args.out, payload)
-    table = markdown_table(rows, COLUMNS)
-    args.out.with_suffix(".md").write_text(table + "\n")
-    plot(rows, args.out.with_suffix(".png"))
-    print(table)
-    print(f"\nwrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
+    write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
 
 

@@ -1,0 +1,250 @@
+"""Quality against the full cache, through the real engine: fidelity and passkey retrieval, policies x budgets.
+
+    python benchmarks/fidelity.py --quick   # ~10 min here: 4 prompts, budget 256, 3 passkey depths
+    python benchmarks/fidelity.py           # 20 prompts of 2K-4K tokens, budgets 128/256/512, 5 depths
+
+Fidelity: stock vLLM (the full cache) greedily continues each haystack
+prompt by 64 tokens. Each policy then reads the same prompt, compresses it,
+and is teacher-forced along those 64 tokens by a logits processor; vLLM's
+raw logprobs (computed before any logits processor) give, per position, the
+policy's own next-token distribution. ``top1_agreement``: how often its
+argmax is the full cache's token. ``mean_kl``: KL(full || policy) over the
+full cache's top-20 tokens, both renormalized there; a token missing from the
+policy's top 20 takes the policy's 20th logprob (an upper bound on its
+probability, so a lower bound on that term).
+
+Passkey: a five-digit key in a sentence at several depths of a 3,000-token
+haystack, asked for at the end; greedy, a hit when the key's digits appear in
+the first 12 generated tokens. The full cache is measured the same way.
+
+One engine per policy (budgets are per request, through ``kv_budget`` in the
+request's ``extra_args``), each in its own process. Writes
+``benchmarks/results/fidelity.json``, a markdown table and ``fidelity.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
+
+POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff"]
+CONTINUATION = 64
+TOP_LOGPROBS = 20
+PASSKEY_LEN = 3000
+PASSKEY_ANSWER_TOKENS = 12
+FORCE_KEY = "force_token_ids"
+COLUMNS = ["policy", "budget", "top1_agreement", "mean_kl", "passkey_accuracy", "passkey_hits"]
+
+
+def run_engine(tasks: dict, policy: str, budgets: list[int]) -> dict:
+    """One engine, in this process: continuations (forced when a reference is given) and passkey answers."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the logits processor class is defined here
+    import kvpolicy.vllm  # noqa: F401
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    from kvpolicy.model import prepare
+
+    class ForceTokens(AdapterLogitsProcessor):
+        """Teacher forcing: the request's ``force_token_ids`` are sampled, whatever the model prefers."""
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            forced = (params.extra_args or {}).get(FORCE_KEY)
+            if forced is None:
+                return None
+
+            def force(output_ids, logits):
+                token = forced[len(output_ids)]
+                logits.fill_(float("-inf"))
+                logits[token] = 0.0
+                return logits
+
+            return force
+
+    stock = policy == "stock"
+    llm = LLM(
+        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=4200, enable_prefix_caching=False,
+        kv_cache_memory_bytes=2 << 30, seed=0, logits_processors=[ForceTokens],
+        **({} if stock else {"kv_policy": policy, "kv_budget": max(budgets)}),
+    )
+    prompts, params, keys = [], [], []
+    for budget in [None] if stock else budgets:
+        extra = {} if stock else {"kv_budget": budget}
+        for i, ids in enumerate(tasks["fidelity"]):
+            forced = None if stock else {FORCE_KEY: tasks["reference"][i]}
+            prompts.append(ids)
+            params.append(SamplingParams(
+                max_tokens=CONTINUATION, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS,
+                extra_args={**extra, **(forced or {})} or None,
+            ))
+            keys.append(("fidelity", budget, i))
+        for i, item in enumerate(tasks["passkey"]):
+            prompts.append(item["ids"])
+            params.append(SamplingParams(max_tokens=PASSKEY_ANSWER_TOKENS, temperature=0.0, extra_args=extra or None))
+            keys.append(("passkey", budget, i))
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=True)
+    results: dict = {"fidelity": {}, "passkey": {}}
+    for (kind, budget, i), output in zip(keys, outputs):
+        completion = output.outputs[0]
+        if kind == "fidelity":
+            steps = [{str(t): [lp.logprob, lp.rank] for t, lp in step.items()} for step in completion.logprobs]
+            results["fidelity"].setdefault(str(budget), []).append({"token_ids": list(completion.token_ids), "logprobs": steps})
+        else:
+            results["passkey"].setdefault(str(budget), []).append(completion.text)
+    return results
+
+
+def truncated_kl(full: dict, compressed: dict) -> float:
+    """KL(full || compressed) on the full cache's top tokens, each side renormalized there."""
+    floor = min(lp for lp, rank in compressed.values() if rank <= TOP_LOGPROBS)
+    support = [t for t, (_, rank) in full.items() if rank <= TOP_LOGPROBS]
+    p = [full[t][0] for t in support]
+    q = [compressed.get(t, (floor, None))[0] for t in support]
+    log_zp = math.log(sum(math.exp(x) for x in p))
+    log_zq = math.log(sum(math.exp(x) for x in q))
+    return sum(math.exp(a - log_zp) * ((a - log_zp) - (b - log_zq)) for a, b in zip(p, q))
+
+
+def fidelity_row(reference: list[dict], forced: list[dict]) -> dict:
+    agree, kls = [], []
+    for ref, run in zip(reference, forced):
+        for token, full_step, step in zip(ref["token_ids"], ref["logprobs"], run["logprobs"]):
+            top1 = next(int(t) for t, (_, rank) in step.items() if rank == 1)
+            agree.append(top1 == token)
+            kls.append(truncated_kl(full_step, step))
+    return {"top1_agreement": sum(agree) / len(agree), "mean_kl": sum(kls) / len(kls)}
+
+
+def passkey_row(answers: list[str], passkeys: list[dict]) -> dict:
+    hits = [item["key"] in answer for answer, item in zip(answers, passkeys)]
+    return {
+        "passkey_accuracy": sum(hits) / len(hits),
+        "passkey_hits": "".join("x" if hit else "." for hit in hits),
+        "passkey_by_depth": {str(item["depth"]): hit for item, hit in zip(passkeys, hits)},
+    }
+
+
+def passkey_prompts(tokenizer, depths: list[float]) -> list[dict]:
+    """Haystack prompts of ~PASSKEY_LEN tokens, the key sentence at each depth, the question at the end."""
+    rng = random.Random(0)
+    intro = tokenizer("There is a pass key hidden in the text below. Find it and remember it.\n\n", add_special_tokens=False)["input_ids"]
+    question = tokenizer("\n\nWhat is the pass key? The pass key is", add_special_tokens=False)["input_ids"]
+    items = []
+    for depth in depths:
+        key = str(rng.randrange(10000, 100000))
+        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)["input_ids"]
+        filler = haystack_prompts(tokenizer, [PASSKEY_LEN - len(intro) - len(needle) - len(question)])[0]
+        at = round(depth * len(filler))
+        items.append({"depth": depth, "key": key, "ids": intro + filler[:at] + needle + filler[at:] + question})
+    return items
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for name, ax in zip(("top1_agreement", "mean_kl", "passkey_accuracy"), axes):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            subset = [r for r in rows if r["policy"] == policy and r["budget"] is not None]
+            if subset:
+                ax.plot([r["budget"] for r in subset], [r[name] for r in subset], marker="o", label=policy)
+            else:
+                ax.axhline(next(r[name] for r in rows if r["policy"] == policy), color="k", ls="--", label=policy)
+        ax.set_xlabel("budget (tokens per KV head)")
+        ax.set_title(name)
+        ax.set_xscale("log", base=2)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("kvpolicy quality vs the full cache (SmolLM2-135M, vLLM CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 prompts, budget 256, 3 passkey depths")
+    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--budgets", nargs="+", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 4, full 20)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "fidelity.json")
+    parser.add_argument("--run-one", nargs=3, metavar=("TASKS", "POLICY", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--run-budgets", nargs="+", type=int, default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run_one:
+        tasks_path, policy, out = args.run_one
+        tasks = json.loads(Path(tasks_path).read_text())
+        Path(out).write_text(json.dumps(run_engine(tasks, policy, args.run_budgets)))
+        return 0
+
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from kvpolicy.model import prepare
+
+    count = args.prompts or (4 if args.quick else 20)
+    budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
+    depths = [0.1, 0.5, 0.9] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0]
+    tokenizer = AutoTokenizer.from_pretrained(str(prepare()))
+    lengths = [round(2048 + i * (4000 - 2048) / max(count - 1, 1)) for i in range(count)]
+    tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths)}
+
+    work = args.out.with_suffix(".work")
+    work.mkdir(parents=True, exist_ok=True)
+    tasks_path = work / "tasks.json"
+
+    def engine(policy: str, run_budgets: list[int]) -> dict:
+        tasks_path.write_text(json.dumps(tasks))
+        out = work / f"{policy}.json"
+        cmd = [sys.executable, __file__, "--run-one", str(tasks_path), policy, str(out)]
+        proc = subprocess.run(cmd + ["--run-budgets", *map(str, run_budgets)] if run_budgets else cmd,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+    rows = []
+    with tqdm(total=1 + len(args.policies), desc="engines", unit="engine") as progress:
+        full = engine("stock", [])
+        progress.update()
+        reference = full["fidelity"]["None"]
+        tasks["reference"] = [r["token_ids"] for r in reference]
+        rows.append({"policy": "full cache", "budget": None, "top1_agreement": 1.0, "mean_kl": 0.0,
+                     **passkey_row(full["passkey"]["None"], tasks["passkey"])})
+        for policy in args.policies:
+            result = engine(policy, budgets)
+            progress.update()
+            for budget in budgets:
+                rows.append({"policy": policy, "budget": budget,
+                             **fidelity_row(reference, result["fidelity"][str(budget)]),
+                             **passkey_row(result["passkey"][str(budget)], tasks["passkey"])})
+    for path in work.iterdir():
+        path.unlink()
+    work.rmdir()
+
+    settings = {
+        "prompt_lens": lengths, "continuation": CONTINUATION, "top_logprobs": TOP_LOGPROBS,
+        "passkey_len": PASSKEY_LEN, "passkey_depths": depths, "quick": args.quick,
+    }
+    write_results(args.out, settings, rows, COLUMNS, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
