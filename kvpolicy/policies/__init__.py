@@ -3,6 +3,7 @@
 from dataclasses import fields
 
 from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.h2o import H2O
 from kvpolicy.policies.keydiff import KeyDiff
 from kvpolicy.policies.passthrough import IdentityPolicy, NoPolicy
 from kvpolicy.policies.snapkv import AdaPyramid, AdaSnapKV, PyramidKV, SnapKV
@@ -10,7 +11,7 @@ from kvpolicy.policies.streaming import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM, KeyDiff)
+    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM, KeyDiff, H2O)
 }
 
 

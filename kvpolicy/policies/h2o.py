@@ -16,8 +16,10 @@ we chose:
   with the lowest score is evicted (ties to the later one, so that a step
   evicts exactly what keeping the top scores would).
 
-Not registered in ``POLICIES``: the engine does not yet hand every prompt
-query to the policy.
+In the engine, H2O runs at prompt end: the backend stashes every prompt
+query of each layer while the prompt is read (as it stashes the observation
+window for SnapKV) and hands them over with the keys. The decode step is not
+wired yet: the fused attention kernel returns no weights.
 """
 
 from __future__ import annotations

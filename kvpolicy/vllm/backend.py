@@ -187,10 +187,19 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     @staticmethod
     def _window_tokens(first_token: int, start: int, end: int, prompt_len: int) -> torch.Tensor:
-        """Batch indices of this chunk's tokens inside the observation window."""
-        if not WORKER_STATE.policy.needs_window:
+        """Batch indices of this chunk's tokens whose queries the policy scores with.
+
+        The observation window (the last ``window`` prompt tokens), or every
+        prompt token for policies that accumulate attention over the prompt.
+        """
+        policy = WORKER_STATE.policy
+        if policy.needs_queries:
+            window = prompt_len
+        elif policy.needs_window:
+            window = WORKER_STATE.config.window
+        else:
             return torch.zeros(0, dtype=torch.int64)
-        window_start = max(prompt_len - WORKER_STATE.config.window, start)
+        window_start = max(prompt_len - window, start)
         window_end = max(min(end, prompt_len), window_start)
         return torch.arange(first_token + window_start - start, first_token + window_end - start)
 
@@ -352,11 +361,18 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             pages = relocation.pages
             every = torch.arange(relocation.num_tokens)
             keys, _ = layout.gather(pages_view, pages.current_slots(layer_idx, [every] * heads))
-            window = None
-            if WORKER_STATE.policy.needs_window:
-                window = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
-            prompt = PromptKV(keys.view(heads, relocation.num_tokens, -1), window, layer_idx, num_layers)
-            keep = WORKER_STATE.policy.keep(prompt, relocation.budget)
+            policy = WORKER_STATE.policy
+            queries = None
+            if policy.needs_window or policy.needs_queries:
+                queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
+            prompt = PromptKV(
+                keys.view(heads, relocation.num_tokens, -1),
+                window_queries=queries if policy.needs_window else None,
+                layer=layer_idx,
+                num_layers=num_layers,
+                queries=queries if policy.needs_queries else None,
+            )
+            keep = policy.keep(prompt, relocation.budget)
             generated = torch.arange(relocation.num_tokens, relocation.num_computed)
             moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in keep])
             k, v = layout.gather(pages_view, moves.src)

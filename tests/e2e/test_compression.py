@@ -34,6 +34,22 @@ def test_requests_below_the_budget_stay_bitwise_identical(engine_run):
             assert ours[i] == stock[i], f"request {i} ({n} tokens) was not compressed and must be exact"
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "pyramid", "adapyramid", "streaming", "keydiff", "h2o"])
+def test_every_compressing_policy_runs_in_the_engine(engine_run, policy):
+    run = engine_run("--policy", policy, "--budget", str(BUDGET))
+    counters = run["counters"]
+    compressible = [n for n in PROMPT_LENS if n > BUDGET]
+    assert counters["compressed_requests"] == len(compressible)
+    layers_heads = counters["prompt_kv_tokens"] / sum(compressible)
+    mean_kept = counters["kept_kv_tokens"] / layers_heads / len(compressible)
+    assert abs(mean_kept - BUDGET) <= 0.05 * BUDGET, "a head keeps the budget on average over layers"
+    assert run["kv_cache_usage_end"] == 0.0
+    stock = engine_run("--stock")["requests"]
+    for i, n in enumerate(PROMPT_LENS):
+        if n <= BUDGET:
+            assert run["requests"][i] == stock[i], f"request {i} ({n} tokens) was not compressed and must be exact"
+
+
 @pytest.fixture(scope="module")
 def captured(engine_run):
     """What adasnap saw and kept in the engine, for the 1,100-token prompt at layers 0, 15 and 29."""

@@ -80,9 +80,9 @@ def as_lists(keep):
     return [k.tolist() for k in keep]
 
 
-def test_registry_has_keydiff_only():
+def test_registry_has_keydiff_and_h2o_not_d2o():
     assert POLICIES["keydiff"].relocates and not POLICIES["keydiff"].needs_window
-    assert "h2o" not in POLICIES and "d2o" not in POLICIES
+    assert POLICIES["h2o"] is H2O and "d2o" not in POLICIES
     assert H2O.needs_queries and D2O.needs_queries and not POLICIES["keydiff"].needs_queries
 
 
