@@ -59,4 +59,4 @@ def reference_pyramid(capacity, prefix, layer, layers, beta=20):
     low, high = capacity // beta, 2 * capacity - capacity // beta
     if high >= prefix:
         high, low = prefix, 2 * capacity - prefix
-    return high - layer * ((high - low) // (layers - 1))
+    return round(high - layer * (high - low) / (layers - 1))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvpolicy.policies import PromptKV, make_policy
+from kvpolicy.policies.snapkv import pyramid_capacity
 from tests.snapkv_reference import reference_ada_counts, reference_keep, reference_pyramid, reference_scores
 
 H, G, D = 3, 3, 16
@@ -50,10 +51,12 @@ def test_pyramid_budgets_fall_with_depth(prompt):
     assert as_lists(got_ada) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
-def test_pyramid_mean_over_layers_is_the_budget():
-    capacities = [reference_pyramid(200, 3000, layer, 30) for layer in range(30)]
+@pytest.mark.parametrize("capacity, prefix", [(200, 3000), (96, 1068), (96, 97)])
+def test_pyramid_mean_over_layers_is_the_budget(capacity, prefix):
+    capacities = [pyramid_capacity(capacity, prefix, layer, 30) for layer in range(30)]
     assert capacities[0] > capacities[-1]
-    assert abs(sum(capacities) / 30 - 200) < 200 * 0.05
+    assert max(capacities) <= prefix
+    assert abs(sum(capacities) / 30 - capacity) <= 0.5
 
 
 def test_streaming_keeps_sinks_and_recent_tokens():
