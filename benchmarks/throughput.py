@@ -54,7 +54,7 @@ def run_one(args) -> dict:
         policy["kv_budget"] = args.budget
     llm = LLM(
         str(prepare()), dtype="float32", enforce_eager=True, max_model_len=args.ttft_len + 64,
-        enable_prefix_caching=False, kv_cache_memory_bytes=args.pool_mib << 20,
+        enable_prefix_caching=False, kv_cache_memory_bytes=args.pool_mib << 20, block_size=args.block_size,
         max_num_seqs=args.requests, disable_log_stats=False, seed=0, **policy,
     )
     engine = llm.llm_engine
@@ -144,6 +144,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=3000)
     parser.add_argument("--ttft-len", type=int, default=4000)
     parser.add_argument("--pool-mib", type=int, default=384, help="KV pool size (kv_cache_memory_bytes)")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per vLLM block (CPU: a multiple of 32)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "throughput.json")
     parser.add_argument("--run-one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
@@ -175,7 +176,8 @@ def main() -> int:
         cmd = [
             sys.executable, __file__, "--run-one", "--policy", policy, "--output-len", str(output_len),
             "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
-            "--ttft-len", str(args.ttft_len), "--pool-mib", str(args.pool_mib), "--row-out", str(row_file),
+            "--ttft-len", str(args.ttft_len), "--pool-mib", str(args.pool_mib), "--block-size", str(args.block_size),
+            "--row-out", str(row_file),
         ]
         if budget:
             cmd += ["--budget", str(budget)]
@@ -187,7 +189,7 @@ def main() -> int:
 
     settings = {
         "requests": args.requests, "prompt_len": args.prompt_len, "ttft_len": args.ttft_len,
-        "pool_mib": args.pool_mib, "quick": args.quick,
+        "pool_mib": args.pool_mib, "block_size": args.block_size, "quick": args.quick,
     }
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
