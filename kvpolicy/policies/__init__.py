@@ -2,7 +2,8 @@
 
 from dataclasses import fields
 
-from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.base import CompressedKV, Policy, PromptKV
+from kvpolicy.policies.d2o import D2O
 from kvpolicy.policies.h2o import H2O
 from kvpolicy.policies.keydiff import KeyDiff
 from kvpolicy.policies.passthrough import IdentityPolicy, NoPolicy
@@ -11,7 +12,7 @@ from kvpolicy.policies.streaming import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM, KeyDiff, H2O)
+    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM, KeyDiff, H2O, D2O)
 }
 
 
@@ -21,4 +22,4 @@ def make_policy(name: str, **options) -> Policy:
     return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
 
 
-__all__ = ["POLICIES", "Policy", "PromptKV", "make_policy"]
+__all__ = ["POLICIES", "CompressedKV", "Policy", "PromptKV", "make_policy"]

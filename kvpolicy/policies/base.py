@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,6 +38,20 @@ class PromptKV:
 
 
 @dataclass(frozen=True)
+class CompressedKV:
+    """What a policy leaves of one layer's prompt.
+
+    ``kept``: positions per KV head, ascending, int64. ``keys``/``values``:
+    [kv_heads, kept, head_dim] when the policy rewrote the kept tokens (D2O
+    merges evicted tokens into them); None when they stay as they are.
+    """
+
+    kept: list[torch.Tensor]
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Policy:
     """A compression policy: which prompt tokens each KV head keeps.
 
@@ -45,6 +59,9 @@ class Policy:
     kv-head) pages once their prompt is read. ``needs_window``: the backend
     must hand over the last ``window`` prompt queries. ``needs_queries``: it
     must hand over every prompt query (and the values).
+    ``budgets_across_layers``: a layer's budget depends on what every layer
+    observed (``observe`` then ``layer_budgets``), so the engine compresses a
+    prompt only after its last layer has run.
     """
 
     name: ClassVar[str]
@@ -52,10 +69,23 @@ class Policy:
     needs_window: ClassVar[bool] = False
     needs_queries: ClassVar[bool] = False
     needs_budget: ClassVar[bool] = True
+    budgets_across_layers: ClassVar[bool] = False
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""
         raise NotImplementedError
+
+    def compress(self, prompt: PromptKV, budget: int, observation: Any = None) -> CompressedKV:
+        """``keep``, for policies that do not rewrite K/V; ``observation`` is this layer's ``observe``."""
+        return CompressedKV(self.keep(prompt, budget))
+
+    def observe(self, prompt: PromptKV) -> Any:
+        """What ``layer_budgets`` needs of one layer, taken while its queries are at hand."""
+        return None
+
+    def layer_budgets(self, observations: list[Any], budget: int) -> list[int]:
+        """Each layer's budget from every layer's ``observe``; by default ``budget`` everywhere."""
+        return [budget] * len(observations)
 
     @staticmethod
     def keep_all(prompt: PromptKV) -> list[torch.Tensor]:

@@ -31,9 +31,12 @@ the prose of §4, Table 4, §5.1 and App. A.3 settles them):
   exp(u_ij))``; values take the same weights (§4.2.2: similarity on keys only,
   shared with values). Computed in float64, returned in the input dtype.
 
-Not registered in ``POLICIES``: the engine hands neither every prompt query
-nor the values to a policy, nor writes merged K/V back, nor computes all
-layers' variances before the first layer is compressed.
+In the engine D2O runs at prompt end: every layer's column sums are taken
+as the layer runs (``observe``), the layer budgets once the last layer has
+run, and then each layer is compressed and its merged K/V written into its
+pages. Decode-time eviction and merging (one token per step against the
+carried threshold, ``merge_evicted``) is not wired: the fused attention
+kernel returns no weights.
 """
 
 from __future__ import annotations
@@ -44,13 +47,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import Policy, PromptKV
-from kvpolicy.policies.h2o import accumulated_attention, attention_column_sums, heavy_hitters
+from kvpolicy.policies.base import CompressedKV, Policy, PromptKV
+from kvpolicy.policies.h2o import attention_column_sums, group_mean, heavy_hitters
 
 
 def prompt_attention_variance(keys: torch.Tensor, queries: torch.Tensor) -> float:
     """A layer's attention density (eq. 4): variance of each query head's column sums, averaged over heads."""
-    return attention_column_sums(keys, queries).var(dim=-1, correction=0).mean().item()
+    return column_sums_variance(attention_column_sums(keys, queries))
+
+
+def column_sums_variance(column_sums: torch.Tensor) -> float:
+    return column_sums.var(dim=-1, correction=0).mean().item()
 
 
 def layer_budgets(variances: list[float], budget: int) -> list[int]:
@@ -98,18 +105,11 @@ def merge_evicted(
 
 
 @dataclass(frozen=True)
-class MergedKV:
-    """What D2O leaves of one layer's prompt.
+class MergedKV(CompressedKV):
+    """D2O's compressed prompt: K/V of kept tokens after merging, and ``threshold``,
+    the per-head EMA threshold to carry into decode (None when nothing was evicted)."""
 
-    ``kept``: positions per KV head, ascending; ``keys``/``values``: their
-    K/V after merging, [kv_heads, kept, D]; ``threshold``: the per-head EMA
-    threshold to carry into decode (None when nothing was evicted).
-    """
-
-    kept: list[torch.Tensor]
-    keys: torch.Tensor
-    values: torch.Tensor
-    threshold: torch.Tensor | None
+    threshold: torch.Tensor | None = None
 
 
 def _gather(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -123,6 +123,7 @@ class D2O(Policy):
     name = "d2o"
     relocates = True
     needs_queries = True
+    budgets_across_layers = True
     sink_tokens: int = 4
     recent_fraction: float = 0.25
     beta: float = 0.7
@@ -130,12 +131,20 @@ class D2O(Policy):
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         return self.compress(prompt, budget).kept
 
-    def compress(self, prompt: PromptKV, budget: int) -> MergedKV:
+    def observe(self, prompt: PromptKV) -> torch.Tensor:
+        """The layer's attention column sums, [q_heads, prompt_len]: its variance and its H2O scores."""
+        return attention_column_sums(prompt.keys, prompt.queries)
+
+    def layer_budgets(self, observations: list[torch.Tensor], budget: int) -> list[int]:
+        return layer_budgets([column_sums_variance(sums) for sums in observations], budget)
+
+    def compress(self, prompt: PromptKV, budget: int, observation: torch.Tensor | None = None) -> MergedKV:
         if prompt.num_tokens <= budget:
             return MergedKV(self.keep_all(prompt), prompt.keys, prompt.values, None)
+        column_sums = self.observe(prompt) if observation is None else observation
+        scores = group_mean(column_sums, prompt.num_heads)
         recent = int(budget * self.recent_fraction)
         sinks = min(self.sink_tokens, budget - recent)
-        scores = accumulated_attention(prompt.keys, prompt.queries)
         kept = heavy_hitters(scores, budget, recent, sinks)
         heads, length = scores.shape
         dropped = torch.ones(heads, length, dtype=torch.bool).scatter(1, kept, False)

@@ -51,11 +51,14 @@ def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, chunk: int 
     return sums
 
 
+def group_mean(column_sums: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """H2O scores per KV head, [kv_heads, prompt_len]: query heads' column sums averaged over the GQA group."""
+    return column_sums.view(kv_heads, -1, column_sums.shape[-1]).mean(dim=1)
+
+
 def accumulated_attention(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """H2O scores per KV head, [kv_heads, prompt_len]: column sums averaged over the GQA group."""
-    sums = attention_column_sums(keys, queries)
-    kv_heads = keys.shape[0]
-    return sums.view(kv_heads, -1, sums.shape[-1]).mean(dim=1)
+    """H2O scores per KV head, [kv_heads, prompt_len]."""
+    return group_mean(attention_column_sums(keys, queries), keys.shape[0])
 
 
 def heavy_hitters(scores: torch.Tensor, budget: int, recent: int, sinks: int = 0) -> torch.Tensor:

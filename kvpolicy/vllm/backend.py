@@ -351,31 +351,63 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         out[per_head.token_idx] = head_out.view(-1, self.num_heads, self.head_size)
 
     def _relocate(self, layer, query, kv_cache, relocations: list[Relocation]) -> None:
-        """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps."""
+        """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps.
+
+        A policy whose layer budgets depend on every layer only observes here;
+        the last layer then compresses every layer of the prompt.
+        """
         layer_idx = extract_layer_index(layer.layer_name)
-        num_blocks, heads, block_size, width = kv_cache.shape
-        layout = page_layout(layer.isa, kv_cache.dtype, block_size, width // 2)
-        pages_view = kv_cache.view(num_blocks * heads, -1)
         num_layers = relocations[0].pages.num_layers
+        if layer_idx == 0:
+            WORKER_STATE.block_bytes = kv_cache[0].nbytes * num_layers
+        policy = WORKER_STATE.policy
         for relocation in relocations:
-            pages = relocation.pages
-            every = torch.arange(relocation.num_tokens)
-            keys, _ = layout.gather(pages_view, pages.current_slots(layer_idx, [every] * heads))
-            policy = WORKER_STATE.policy
             queries = None
             if policy.needs_window or policy.needs_queries:
                 queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
-            prompt = PromptKV(
-                keys.view(heads, relocation.num_tokens, -1),
-                window_queries=queries if policy.needs_window else None,
-                layer=layer_idx,
-                num_layers=num_layers,
-                queries=queries if policy.needs_queries else None,
-            )
-            keep = policy.keep(prompt, relocation.budget)
-            generated = torch.arange(relocation.num_tokens, relocation.num_computed)
-            moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in keep])
-            k, v = layout.gather(pages_view, moves.src)
-            layout.scatter(pages_view, moves.dst, k, v)
-        if layer_idx == 0:
-            WORKER_STATE.block_bytes = kv_cache[0].nbytes * num_layers
+            prompt = self._prompt(layer.isa, kv_cache, layer_idx, relocation, queries)
+            if not policy.budgets_across_layers:
+                self._compact(layer.isa, kv_cache, layer_idx, relocation, prompt, relocation.budget, None)
+                continue
+            observed = WORKER_STATE.observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
+            if layer_idx == num_layers - 1:
+                caches, observations = zip(*(observed[i] for i in range(num_layers)))
+                budgets = policy.layer_budgets(list(observations), relocation.budget)
+                for i, (cache, observation, budget) in enumerate(zip(caches, observations, budgets)):
+                    earlier = prompt if i == layer_idx else self._prompt(layer.isa, cache, i, relocation, None)
+                    self._compact(layer.isa, cache, i, relocation, earlier, budget, observation)
+
+    @staticmethod
+    def _prompt(isa, kv_cache, layer_idx: int, relocation: Relocation, queries) -> PromptKV:
+        """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs."""
+        num_blocks, heads, block_size, width = kv_cache.shape
+        layout = page_layout(isa, kv_cache.dtype, block_size, width // 2)
+        every = torch.arange(relocation.num_tokens)
+        slots = relocation.pages.current_slots(layer_idx, [every] * heads)
+        keys, values = layout.gather(kv_cache.view(num_blocks * heads, -1), slots)
+        policy = WORKER_STATE.policy
+        return PromptKV(
+            keys.view(heads, relocation.num_tokens, -1),
+            window_queries=queries if policy.needs_window else None,
+            layer=layer_idx,
+            num_layers=relocation.pages.num_layers,
+            queries=queries if policy.needs_queries else None,
+            values=values.view(heads, relocation.num_tokens, -1),
+        )
+
+    @staticmethod
+    def _compact(isa, kv_cache, layer_idx: int, relocation: Relocation, prompt: PromptKV, budget, observation):
+        """Pack what the policy keeps of one layer into per-head pages; write back K/V it rewrote."""
+        num_blocks, heads, block_size, width = kv_cache.shape
+        layout = page_layout(isa, kv_cache.dtype, block_size, width // 2)
+        pages_view = kv_cache.view(num_blocks * heads, -1)
+        pages = relocation.pages
+        result = WORKER_STATE.policy.compress(prompt, budget, observation)
+        generated = torch.arange(relocation.num_tokens, relocation.num_computed)
+        moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in result.kept])
+        k, v = layout.gather(pages_view, moves.src)
+        layout.scatter(pages_view, moves.dst, k, v)
+        if result.keys is not None:
+            slots = pages.current_slots(layer_idx, [torch.arange(kept.numel()) for kept in result.kept])
+            head_size = width // 2
+            layout.scatter(pages_view, slots, result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size))

@@ -17,13 +17,15 @@ from kvpolicy.policies import Policy
 class WorkerState:
     """Per worker process: the policy, the model runner (to map batch rows to
     request ids), the page tables of relocated requests, the observation-window
-    queries of prompts still being read, and counters for the metrics."""
+    queries of prompts still being read, what each layer observed of a prompt
+    for policies that budget across layers, and counters for the metrics."""
 
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
     runner: Any = None
     requests: dict[str, RequestPages] = field(default_factory=dict)
     window_queries: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+    observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
     relocated_this_step: list[str] = field(default_factory=list)
     block_bytes: int = 0
     counters: Counter = field(default_factory=Counter)
@@ -34,6 +36,7 @@ class WorkerState:
         self.runner = runner
         self.requests.clear()
         self.window_queries.clear()
+        self.observed.clear()
 
     @property
     def relocates(self) -> bool:
@@ -47,10 +50,19 @@ class WorkerState:
         earlier = self.window_queries.get(req_id, {}).pop(layer, [])
         return torch.cat([*earlier, last]).transpose(0, 1)
 
+    def observe(self, req_id: str, layer: int, kv_cache: torch.Tensor, observation: Any) -> dict:
+        """Record a layer's cache and observation of a prompt; all layers so far, emptied once the last arrives."""
+        observed = self.observed.setdefault(req_id, {})
+        observed[layer] = (kv_cache, observation)
+        if len(observed) == self.requests[req_id].num_layers:
+            del self.observed[req_id]
+        return observed
+
     def forget(self, req_ids) -> None:
         for req_id in req_ids or ():
             self.requests.pop(req_id, None)
             self.window_queries.pop(req_id, None)
+            self.observed.pop(req_id, None)
 
     def take_counters(self) -> dict[str, int]:
         taken = dict(self.counters)

@@ -47,6 +47,11 @@ class CapturingPolicy:
             })
         return kept
 
+    def compress(self, prompt, budget, observation=None):
+        from kvpolicy.policies import CompressedKV
+
+        return CompressedKV(self.keep(prompt, budget))
+
 
 def prompts(vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
     import torch

@@ -80,9 +80,10 @@ def as_lists(keep):
     return [k.tolist() for k in keep]
 
 
-def test_registry_has_keydiff_and_h2o_not_d2o():
+def test_registry_has_keydiff_h2o_and_d2o():
     assert POLICIES["keydiff"].relocates and not POLICIES["keydiff"].needs_window
-    assert POLICIES["h2o"] is H2O and "d2o" not in POLICIES
+    assert POLICIES["h2o"] is H2O and POLICIES["d2o"] is D2O
+    assert D2O.budgets_across_layers and not H2O.budgets_across_layers
     assert H2O.needs_queries and D2O.needs_queries and not POLICIES["keydiff"].needs_queries
 
 
@@ -215,6 +216,20 @@ def test_d2o_evicts_by_accumulated_attention_and_merges_into_nearest_keys(prompt
         assert torch.allclose(got.values[h], torch.tensor(ref_values, dtype=torch.float64), atol=1e-6, rtol=0)
         assert got.threshold[h].item() == pytest.approx(threshold, abs=1e-12)
     assert as_lists(D2O().keep(prompt, budget)) == as_lists(got.kept)
+
+
+def test_d2o_in_the_engine_order_observe_budget_compress_equals_the_direct_call(prompt):
+    """The engine observes each layer first, budgets across layers, then compresses with the observation."""
+    d2o = D2O()
+    layers = [prompt, PromptKV(prompt.keys.flip(1), queries=prompt.queries, values=prompt.values)]
+    observations = [d2o.observe(p) for p in layers]
+    variances = [prompt_attention_variance(p.keys, p.queries) for p in layers]
+    budgets = d2o.layer_budgets(observations, 24)
+    assert budgets == layer_budgets(variances, 24)
+    for layer, observation, budget in zip(layers, observations, budgets):
+        staged, direct = d2o.compress(layer, budget, observation), d2o.compress(layer, budget)
+        assert as_lists(staged.kept) == as_lists(direct.kept)
+        assert torch.equal(staged.keys, direct.keys) and torch.equal(staged.values, direct.values)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
