@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
 
-POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o"]
+POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"]
 CONTINUATION = 64
 TOP_LOGPROBS = 20
 PASSKEY_LEN = 3000

@@ -91,6 +91,11 @@ class KVPolicyConfig:
             raise KVPolicyConfigError(f"kv_budget must be a positive integer number of tokens, got {value!r}")
         if value > max_model_len:
             raise KVPolicyConfigError(f"kv_budget {value} is larger than the context limit {max_model_len}")
+        if POLICIES[self.policy].evicts_while_reading and self.budget is not None and value > self.budget:
+            raise KVPolicyConfigError(
+                f"kv_budget {value} is larger than --kv-budget {self.budget}, which sized the KV pool "
+                f"for {self.policy} requests; ask for at most {self.budget}"
+            )
         if POLICIES[self.policy].needs_window and value <= self.window:
             raise KVPolicyConfigError(
                 f"kv_budget {value} must be larger than the observation window ({self.window} tokens)"

@@ -98,19 +98,22 @@ class RequestPages:
         self.relocated[layer] = True
         return TokenMoves(src, torch.cat(dst))
 
-    def append(self) -> np.ndarray:
-        """Room for one new token in every (layer, head); returns its slots, [layers, heads]."""
-        slots = np.empty_like(self.lengths)
+    def append(self, count: int = 1) -> np.ndarray:
+        """Room for ``count`` new tokens in every (layer, head); returns their slots, [layers, count, heads]."""
+        slots = np.empty((self.num_layers, count, self.num_heads), dtype=np.int64)
         for layer in range(self.num_layers):
             for head in range(self.num_heads):
                 length = int(self.lengths[layer, head])
                 pages = self.head_pages[layer][head]
-                if length == len(pages) * self.block_size:
-                    if not self.free[layer]:
-                        raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
-                    pages.append(self.free[layer].pop(0))
-                slots[layer, head] = pages[length // self.block_size] * self.block_size + length % self.block_size
-        self.lengths += 1
+                missing = math.ceil((length + count) / self.block_size) - len(pages)
+                if missing > len(self.free[layer]):
+                    raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
+                pages.extend(self.free[layer][:missing])
+                del self.free[layer][:missing]
+                positions = np.arange(length, length + count)
+                page_ids = np.asarray(pages, dtype=np.int64)[positions // self.block_size]
+                slots[layer, :, head] = page_ids * self.block_size + positions % self.block_size
+        self.lengths += count
         return slots
 
     def blocks_needed(self) -> int:
@@ -139,6 +142,10 @@ class RequestPages:
             self.blocks[position] = None
             released += 1
         return released
+
+    def live_blocks(self) -> int:
+        """Blocks the request holds now (released ones excluded)."""
+        return sum(block is not None for block in self.blocks)
 
     def kept_tokens(self) -> int:
         return int(self.lengths.sum())

@@ -61,7 +61,11 @@ class Policy:
     must hand over every prompt query (and the values).
     ``budgets_across_layers``: a layer's budget depends on what every layer
     observed (``observe`` then ``layer_budgets``), so the engine compresses a
-    prompt only after its last layer has run.
+    prompt only after its last layer has run. ``evicts_while_reading``: the
+    policy is applied again at every prompt chunk (to the tokens kept so far
+    plus the chunk) and in decode whenever a page's worth of tokens is over
+    budget, so a request never holds much more than its budget; it must keep
+    the same count in every head.
     """
 
     name: ClassVar[str]
@@ -70,6 +74,7 @@ class Policy:
     needs_queries: ClassVar[bool] = False
     needs_budget: ClassVar[bool] = True
     budgets_across_layers: ClassVar[bool] = False
+    evicts_while_reading: ClassVar[bool] = False
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""

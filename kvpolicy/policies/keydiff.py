@@ -53,10 +53,11 @@ def keydiff_block_step(cached_keys: torch.Tensor, block_keys: torch.Tensor, budg
 
 @dataclass(frozen=True)
 class KeyDiff(Policy):
-    """KeyDiff at prompt end: the whole prompt is one block."""
+    """KeyDiff over whatever the cache holds: the engine applies it at every prompt chunk and as decode fills pages."""
 
     name = "keydiff"
     relocates = True
+    evicts_while_reading = True
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         if prompt.num_tokens <= budget:

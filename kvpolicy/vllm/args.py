@@ -14,6 +14,7 @@ import os
 from dataclasses import fields
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_policy_name
+from kvpolicy.policies import POLICIES
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
     AsyncEngineArgs,
@@ -58,8 +59,6 @@ def _option_type(name: str, convert):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvpolicy.policies import POLICIES
-
     group = parser.add_argument_group(
         ARG_GROUP, description="KV-cache compression inside vLLM's paged attention (kvpolicy)."
     )
@@ -126,6 +125,8 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         engine_args.enable_prefix_caching = False
         if engine_args.speculative_config:
             raise KVPolicyConfigError(f"--kv-policy {config.policy} does not support speculative decoding")
+        if POLICIES[config.policy].evicts_while_reading:
+            engine_args.scheduler_reserve_full_isl = False  # admitted by what it holds (kvpolicy/vllm/admission.py)
         if engine_args.kv_cache_dtype not in ("auto", None):
             raise KVPolicyConfigError(
                 f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype"

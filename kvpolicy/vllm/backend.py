@@ -49,13 +49,18 @@ class AttentionBatch:
 
 @dataclass
 class PerHeadBatch:
-    """The relocated requests of a step: one query token each, ``H`` virtual sequences.
+    """The relocated requests of a step as ``H`` virtual one-head sequences each.
 
-    ``layers[l]`` is layer ``l``'s attention call; ``slots[l]`` where its new
-    K/V go ([n*H] one-head page slots).
+    Virtual token ``i`` is query token ``token_of[i]`` of the batch, KV head
+    ``head_of[i]``; tokens are ordered by (request, head, position), so each
+    virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
+    attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
+    virtual-token order).
     """
 
     token_idx: torch.Tensor
+    token_of: torch.Tensor
+    head_of: torch.Tensor
     layers: list[AttentionBatch]
     slots: torch.Tensor
 
@@ -142,6 +147,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         seq_lens = cam.seq_lens[:num_reqs].cpu().numpy()
         block_table = cam.block_table_tensor
         per_head_rows, relocations, stash = [], [], []
+        evicts = WORKER_STATE.policy.evicts_while_reading
         for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
             query_len = int(qsl[row + 1] - qsl[row])
             seq_len = int(seq_lens[row])
@@ -150,25 +156,29 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             request = runner.requests[req_id]
             prompt_len = request.num_prompt_tokens
             pages = WORKER_STATE.requests.get(req_id)
-            if pages is not None and start < prompt_len:
+            if pages is not None and start == 0:
                 # Preempted and recomputed from scratch: compression is redone.
                 WORKER_STATE.forget([req_id])
                 pages = None
-            if pages is not None:
-                if query_len != 1:
-                    raise NotImplementedError("relocated requests decode one token per step")
-                pages.add_blocks(block_table[row, len(pages.blocks) : num_blocks].tolist())
-                per_head_rows.append((row, pages))
+            if query_len == 0:
                 continue
-            if start >= prompt_len or query_len == 0:
+            if pages is None and start >= prompt_len:
                 continue
             override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
             budget = WORKER_STATE.config.budget_for(prompt_len, override)
+            if pages is not None:
+                pages.add_blocks(block_table[row, len(pages.blocks) : num_blocks].tolist())
+                per_head_rows.append((row, pages, query_len))
+                if evicts and self._evicts_now(pages, query_len, budget, start < prompt_len):
+                    length = self._uniform_length(pages) + query_len
+                    done = start < prompt_len <= seq_len
+                    relocations.append(self._relocation(req_id, pages, length, length, budget, done))
+                continue
             if budget is None and WORKER_STATE.policy.needs_budget:
                 continue  # short prompt: stays on the stock path
             window_idx = self._window_tokens(int(qsl[row]), start, seq_len, prompt_len)
-            if seq_len < request.num_tokens:
-                # The prompt (after a preemption: prompt and output) is still being read.
+            reading = seq_len < request.num_tokens  # the prompt (after a preemption: prompt and output)
+            if reading and not (evicts and seq_len > budget):
                 if window_idx.numel():
                     stash.append(WindowStash(req_id, window_idx))
                 continue
@@ -176,14 +186,33 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist()
             )
             WORKER_STATE.requests[req_id] = pages
-            WORKER_STATE.relocated_this_step.append(req_id)
-            relocations.append(Relocation(req_id, pages, prompt_len, seq_len, budget, window_idx))
+            chooses = seq_len if reading else prompt_len
+            relocations.append(self._relocation(req_id, pages, chooses, seq_len, budget, not reading, window_idx))
         metadata = KVPolicyMetadata(**vars(metadata), relocations=relocations, window_stash=stash)
         if per_head_rows:
             metadata.per_head = self._per_head_batch(per_head_rows, qsl)
-            stock_rows = sorted(set(range(num_reqs)) - {row for row, _ in per_head_rows})
+            stock_rows = sorted(set(range(num_reqs)) - {row for row, _, _ in per_head_rows})
             metadata.stock = self._stock_batch(stock_rows, qsl, cam)
         return metadata
+
+    @staticmethod
+    def _relocation(req_id, pages, num_tokens, num_computed, budget, prompt_done, window_idx=None) -> Relocation:
+        WORKER_STATE.relocated_this_step[req_id] = prompt_done
+        if window_idx is None:
+            window_idx = torch.zeros(0, dtype=torch.int64)
+        return Relocation(req_id, pages, num_tokens, num_computed, budget, window_idx)
+
+    def _evicts_now(self, pages: RequestPages, query_len: int, budget: int, reading: bool) -> bool:
+        """An evicting policy compresses at every prompt chunk, and in decode once a page's worth is over budget."""
+        length = self._uniform_length(pages) + query_len
+        return length > budget if reading else length >= budget + self.block_size
+
+    @staticmethod
+    def _uniform_length(pages: RequestPages) -> int:
+        lengths = pages.lengths
+        if lengths.min() != lengths.max():
+            raise RuntimeError("a policy that evicts while reading must keep the same count in every head")
+        return int(lengths[0, 0])
 
     @staticmethod
     def _window_tokens(first_token: int, start: int, end: int, prompt_len: int) -> torch.Tensor:
@@ -205,22 +234,31 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _per_head_batch(self, rows, qsl) -> PerHeadBatch:
         heads = self.num_kv_heads
-        token_idx = torch.tensor([int(qsl[row]) for row, _ in rows], dtype=torch.int64)
-        slots = np.stack([pages.append() for _, pages in rows], axis=1)  # [layers, n, heads]
-        lengths = np.stack([pages.lengths for _, pages in rows], axis=1)
-        width = max(pages.max_pages() for _, pages in rows)
-        query_start_loc = torch.arange(len(rows) * heads + 1, dtype=torch.int32)
+        token_idx = torch.cat([torch.arange(int(qsl[row]), int(qsl[row]) + q) for row, _, q in rows])
+        token_of, head_of, slots = [], [], []
+        for row, pages, query_len in rows:
+            tokens = torch.arange(int(qsl[row]), int(qsl[row]) + query_len)
+            token_of.append(tokens.repeat(heads))
+            head_of.append(torch.arange(heads).repeat_interleave(query_len))
+            slots.append(pages.append(query_len).transpose(0, 2, 1).reshape(self.num_layers, -1))  # [layers, H*q]
+        query_lens = torch.tensor([query_len for _, _, query_len in rows]).repeat_interleave(heads)
+        query_start_loc = torch.zeros(query_lens.numel() + 1, dtype=torch.int32)
+        query_start_loc[1:] = query_lens.cumsum(0)
+        lengths = np.stack([pages.lengths for _, pages, _ in rows], axis=1)
+        width = max(pages.max_pages() for _, pages, _ in rows)
         layers, by_lengths = [], {}
         for layer in range(self.num_layers):
             seq_lens = torch.from_numpy(lengths[layer].reshape(-1).astype(np.int32))
             key = seq_lens.numpy().tobytes()
             if key not in by_lengths:
                 by_lengths[key] = self._scheduler_metadata(seq_lens, query_start_loc, self.queries_per_kv, 1)
-            table = np.concatenate([pages.block_table(layer, width) for _, pages in rows])
+            table = np.concatenate([pages.block_table(layer, width) for _, pages, _ in rows])
             layers.append(
                 AttentionBatch(token_idx, query_start_loc, seq_lens, torch.from_numpy(table), by_lengths[key])
             )
-        return PerHeadBatch(token_idx, layers, torch.from_numpy(slots.reshape(self.num_layers, -1)))
+        return PerHeadBatch(
+            token_idx, torch.cat(token_of), torch.cat(head_of), layers, torch.from_numpy(np.concatenate(slots, axis=1))
+        )
 
     def _stock_batch(self, rows, qsl, cam) -> AttentionBatch:
         query_lens = [int(qsl[row + 1] - qsl[row]) for row in rows]
@@ -287,9 +325,10 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             super().do_kv_cache_update(layer, key[stock_idx], value[stock_idx], kv_cache, slot_mapping[stock_idx])
         per_head = metadata.per_head
         key_cache, value_cache = self._split(kv_cache, one_head=True)
+        heads = self.num_kv_heads
         ops.cpu_attn_reshape_and_cache(
-            key[per_head.token_idx].reshape(-1, 1, self.head_size),
-            value[per_head.token_idx].reshape(-1, 1, self.head_size),
+            key.reshape(-1, heads, self.head_size)[per_head.token_of, per_head.head_of].unsqueeze(1),
+            value.reshape(-1, heads, self.head_size)[per_head.token_of, per_head.head_of].unsqueeze(1),
             key_cache,
             value_cache,
             per_head.slots[extract_layer_index(layer.layer_name)],
@@ -344,11 +383,11 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             out[stock.token_idx] = stock_out
         per_head = metadata.per_head
         batch = per_head.layers[extract_layer_index(layer.layer_name)]
-        group = self.num_queries_per_kv
-        head_query = query[per_head.token_idx].reshape(-1, group, self.head_size)
+        by_kv_head = (-1, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
+        head_query = query.view(by_kv_head)[per_head.token_of, per_head.head_of]
         head_out = torch.empty_like(head_query)
         self._attend(layer, head_query, head_out, *self._split(kv_cache, one_head=True), batch)
-        out[per_head.token_idx] = head_out.view(-1, self.num_heads, self.head_size)
+        out.view(by_kv_head)[per_head.token_of, per_head.head_of] = head_out
 
     def _relocate(self, layer, query, kv_cache, relocations: list[Relocation]) -> None:
         """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps.

@@ -39,6 +39,10 @@ COUNTERS = {
         "vllm:kvpolicy_released_bytes",
         "Bytes of KV cache handed back to vLLM after compression (all layers).",
     ),
+    "eviction_passes": (
+        "vllm:kvpolicy_eviction_passes",
+        "Compressions of a request before its prompt completes or after (keydiff: each prompt chunk, each page filled in decode).",
+    ),
     "prompt_kv_tokens": (
         "vllm:kvpolicy_prompt_kv_tokens",
         "Prompt tokens times layers times KV heads of relocated requests, before compression.",
@@ -54,6 +58,14 @@ COUNTERS = {
     "ideal_kv_pages": (
         "vllm:kvpolicy_ideal_kv_pages",
         "Kept tokens / block size: the pages a perfect allocator would hold; ideal / held is memory efficiency.",
+    ),
+}
+
+#: stats key -> (Prometheus name, help): the largest value seen, not a sum
+PEAKS = {
+    "peak_request_kv_blocks": (
+        "vllm:kvpolicy_peak_request_kv_blocks",
+        "The most vLLM KV blocks one relocated request held at once (measured before each compression).",
     ),
 }
 
@@ -77,14 +89,15 @@ class BlockReleases(KVConnectorWorkerMetadata):
 
 @dataclass
 class KVPolicyStats(KVConnectorStats):
-    """Counter increments since the last report; summed across workers and steps."""
+    """Counter increments since the last report, summed across workers and steps; peaks take the max."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KVPolicyStats":
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            combine = max if key in PEAKS else sum
+            self.data[key] = combine((self.data.get(key, 0), value))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -106,10 +119,23 @@ class KVPolicyPromMetrics(KVConnectorPromMetrics):
                 engine: counter.labels(*values, policy) for engine, values in per_engine_labelvalues.items()
             }
 
+        self._peaks: dict[str, dict[int, Any]] = {}
+        self._peak_values: dict[tuple[str, int], float] = {}
+        for key, (name, documentation) in PEAKS.items():
+            gauge = self._gauge_cls(
+                name=name, documentation=documentation, labelnames=labelnames + ["policy"], multiprocess_mode="max"
+            )
+            self._peaks[key] = {
+                engine: gauge.labels(*values, policy) for engine, values in per_engine_labelvalues.items()
+            }
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             if key in self._counters and value:
                 self._counters[key][engine_idx].inc(value)
+            elif key in self._peaks and value > self._peak_values.get((key, engine_idx), 0):
+                self._peak_values[key, engine_idx] = value
+                self._peaks[key][engine_idx].set(value)
 
 
 class KVPolicyConnector(KVConnectorBase_V1):
@@ -148,17 +174,22 @@ class KVPolicyConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> BlockReleases | None:
         """After the step's forward: every layer is relocated, so tail blocks can go."""
         keep_blocks = {}
-        for req_id in WORKER_STATE.relocated_this_step:
+        counters = WORKER_STATE.counters
+        for req_id, prompt_done in WORKER_STATE.relocated_this_step.items():
             pages = WORKER_STATE.requests.get(req_id)
             if pages is None:
                 continue
+            held = pages.live_blocks()
+            counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], held)
             keep = pages.blocks_needed()
             released = pages.release_tail(keep)
             keep_blocks[req_id] = keep
-            counters = WORKER_STATE.counters
-            counters["relocated_requests"] += 1
             counters["released_blocks"] += released
             counters["released_bytes"] += released * WORKER_STATE.block_bytes
+            if not prompt_done:
+                counters["eviction_passes"] += 1
+                continue
+            counters["relocated_requests"] += 1
             counters["kept_kv_tokens"] += pages.kept_tokens()
             prompt_len = WORKER_STATE.runner.requests[req_id].num_prompt_tokens
             prompt_tokens = prompt_len * pages.num_layers * pages.num_heads

@@ -25,6 +25,7 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.core import kv_cache_utils
 
 #: Where the CPU platform's attention backend lives; we subclass its pieces.
 CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
@@ -33,6 +34,11 @@ CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
 CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 #: The worker the CPU platform would pick for ``worker_cls="auto"``.
 CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
+#: The KV bytes one request of ``max_model_len`` tokens needs, in ``kv_cache_utils``: the startup
+#: check ("To serve at least one request with the model's max seq len ...") calls these, through
+#: the module, with the config first (v1/core/kv_cache_utils.py: check_enough_kv_cache_memory,
+#: get_kv_cache_configs).
+KV_MEMORY_NEEDED_FUNCTIONS = ("max_memory_usage_bytes", "_max_memory_usage_bytes_from_groups")
 
 
 
@@ -65,6 +71,7 @@ __all__ = [
     "KVConnectorWorkerMetadata",
     "KVConnectorStats",
     "KVTransferConfig",
+    "KV_MEMORY_NEEDED_FUNCTIONS",
     "SamplingParams",
     "VLLMValidationError",
     "VllmConfig",
@@ -74,6 +81,7 @@ __all__ = [
     "get_current_vllm_config",
     "get_forward_context",
     "get_kv_transfer_group",
+    "kv_cache_utils",
     "has_kv_transfer_group",
     "ops",
     "register_backend",

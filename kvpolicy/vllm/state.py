@@ -26,7 +26,7 @@ class WorkerState:
     requests: dict[str, RequestPages] = field(default_factory=dict)
     window_queries: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
-    relocated_this_step: list[str] = field(default_factory=list)
+    relocated_this_step: dict[str, bool] = field(default_factory=dict)  # req id -> the prompt completed
     block_bytes: int = 0
     counters: Counter = field(default_factory=Counter)
 

@@ -73,19 +73,26 @@ ENGINE_RUNNER = Path(__file__).with_name("engine_run.py")
 
 @pytest.fixture(scope="session")
 def engine_run(model_path, tmp_path_factory):
-    """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags."""
-    out_dir = tmp_path_factory.mktemp("engine-runs")
-    done: dict[tuple[str, ...], dict] = {}
+    """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags.
 
-    def run(*flags: str) -> dict:
+    With ``fails=True`` the engine must not start; the result is its stderr.
+    """
+    out_dir = tmp_path_factory.mktemp("engine-runs")
+    done: dict[tuple[str, ...], dict | str] = {}
+
+    def run(*flags: str, fails: bool = False) -> dict | str:
         if flags not in done:
             out = out_dir / f"run{len(done)}.json"
             proc = subprocess.run(
                 [sys.executable, str(ENGINE_RUNNER), "--model", str(model_path), "--out", str(out), *flags],
                 capture_output=True, text=True, timeout=900,
             )
-            assert proc.returncode == 0, proc.stderr[-4000:]
-            done[flags] = json.loads(out.read_text())
+            if fails:
+                assert proc.returncode != 0, "the engine was expected to refuse these settings"
+                done[flags] = proc.stderr
+            else:
+                assert proc.returncode == 0, proc.stderr[-4000:]
+                done[flags] = json.loads(out.read_text())
         return done[flags]
 
     return run

@@ -53,11 +53,11 @@ class CapturingPolicy:
         return CompressedKV(self.keep(prompt, budget))
 
 
-def prompts(vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
+def prompts(lengths=PROMPT_LENS, vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 def main() -> int:
@@ -69,6 +69,9 @@ def main() -> int:
     parser.add_argument("--stock", action="store_true", help="load no vLLM plugin at all")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--capture", action="store_true", help="save the policy's inputs and choices")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=PROMPT_LENS)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -93,8 +96,8 @@ def main() -> int:
         args.model,
         dtype="float32",
         enforce_eager=True,
-        max_model_len=2048,
-        max_num_batched_tokens=256,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.chunk,
         enable_chunked_prefill=True,
         enable_prefix_caching=False,
         gpu_memory_utilization=0.5,
@@ -107,7 +110,7 @@ def main() -> int:
 
         WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompt_lens)], params, use_tqdm=False)
     result = [
         {
             "token_ids": list(o.outputs[0].token_ids),

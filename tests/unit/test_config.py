@@ -77,3 +77,11 @@ def test_per_request_budget_is_validated(value, message):
         KVPolicyConfig(policy="adasnap", budget=256).check_request_budget(value, 8192)
     with pytest.raises(KVPolicyConfigError, match="applies to compressing policies"):
         KVPolicyConfig(policy="none").check_request_budget(128, 8192)
+
+
+def test_keydiff_request_budget_cannot_outgrow_the_startup_budget():
+    """The pool was sized for --kv-budget; a larger per-request budget could not be held."""
+    config = KVPolicyConfig(policy="keydiff", budget=256)
+    assert config.check_request_budget(128, 8192) == 128
+    with pytest.raises(KVPolicyConfigError, match="larger than --kv-budget 256, which sized the KV pool"):
+        config.check_request_budget(512, 8192)

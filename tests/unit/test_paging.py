@@ -55,9 +55,20 @@ def test_append_takes_free_pages_and_new_blocks():
         pages.relocate(layer, [torch.arange(BS), torch.arange(BS)])
     pages.add_blocks([4])
     slots = pages.append()
-    assert slots.tolist() == [[8 * BS, 9 * BS], [8 * BS, 9 * BS]]
+    assert slots.tolist() == [[[8 * BS, 9 * BS]], [[8 * BS, 9 * BS]]]
     assert pages.lengths.tolist() == [[BS + 1, BS + 1], [BS + 1, BS + 1]]
     assert pages.block_table(0, 3).tolist() == [[2, 8, 0], [3, 9, 0]]
+
+
+def test_append_of_a_chunk_fills_the_last_page_then_takes_free_ones():
+    pages = RequestPages(num_layers=1, num_heads=H, block_size=BS, blocks=[1, 4])
+    pages.relocate(0, [torch.arange(BS - 1), torch.arange(2)])
+    slots = pages.append(3)
+    # Block 1 holds pages 2 (head 0) and 3 (head 1); block 4's pages 8 and 9 are free.
+    assert pages.head_pages[0] == [[2, 8], [3, 9]]
+    assert slots[0, :, 0].tolist() == [2 * BS + BS - 1, 8 * BS, 8 * BS + 1]
+    assert slots[0, :, 1].tolist() == [3 * BS + 2, 3 * BS + 3, 9 * BS]
+    assert pages.lengths.tolist() == [[BS + 2, 5]]
 
 
 def test_second_relocation_reads_from_per_head_pages():

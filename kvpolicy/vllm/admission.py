@@ -1,0 +1,52 @@
+"""Startup sizing for policies that evict while the prompt is read (keydiff).
+
+Such a request never holds more than its budget plus one prompt chunk, so a
+KV pool smaller than ``--max-model-len`` can still serve it. vLLM refuses
+to start unless one request of ``max_model_len`` tokens fits the pool; for
+these policies the refusal is judged on the bound instead. Requests are then
+admitted by their first chunk, not their whole prompt (no
+``scheduler_reserve_full_isl``), since the chunk is what they hold.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvpolicy.policies import POLICIES
+from kvpolicy.vllm.args import stored_config
+from kvpolicy.vllm.internals import KV_MEMORY_NEEDED_FUNCTIONS, kv_cache_utils
+
+#: Pages over budget + chunk a request may hold: a partly filled page at the
+#: end of the kept tokens, one at the end of the chunk, and the spare block.
+SLACK_BLOCKS = 3
+
+
+def request_kv_bound(vllm_config) -> int | None:
+    """Tokens one request can hold at most, when the policy bounds it below its length; else None."""
+    config = stored_config(vllm_config.additional_config)
+    if config is None or config.budget is None or not POLICIES[config.policy].evicts_while_reading:
+        return None
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    return config.budget + chunk + SLACK_BLOCKS * vllm_config.cache_config.block_size
+
+
+def _needed_for_bound(needed):
+    @functools.wraps(needed)
+    def wrapper(vllm_config, *args, **kwargs):
+        bound = request_kv_bound(vllm_config)
+        model_config = vllm_config.model_config
+        if bound is None or bound >= model_config.max_model_len:
+            return needed(vllm_config, *args, **kwargs)
+        max_model_len = model_config.max_model_len
+        model_config.max_model_len = bound
+        try:
+            return needed(vllm_config, *args, **kwargs)
+        finally:
+            model_config.max_model_len = max_model_len
+
+    return wrapper
+
+
+def patch_kv_memory_check() -> None:
+    for name in KV_MEMORY_NEEDED_FUNCTIONS:
+        setattr(kv_cache_utils, name, _needed_for_bound(getattr(kv_cache_utils, name)))
