@@ -18,7 +18,8 @@ haystack, asked for at the end; greedy, a hit when the key's digits appear in
 the first 12 generated tokens. The full cache is measured the same way.
 
 One engine per policy (budgets are per request, through ``kv_budget`` in the
-request's ``extra_args``), each in its own process. Writes
+request's ``extra_args``), each in its own process, prompts read in chunks of
+``PREFILL_CHUNK`` tokens (keydiff evicts after each). Writes
 ``benchmarks/results/fidelity.json``, a markdown table and ``fidelity.png``.
 """
 
@@ -37,13 +38,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
 
-POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"]
+#: ``name`` or ``name:option=value`` (``d2o:merge=false``: D2O's eviction without its merging).
+POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o", "d2o:merge=false"]
 CONTINUATION = 64
+#: Prefill chunk (--max-num-batched-tokens): keydiff evicts after each one.
+PREFILL_CHUNK = 512
 TOP_LOGPROBS = 20
 PASSKEY_LEN = 3000
 PASSKEY_ANSWER_TOKENS = 12
 FORCE_KEY = "force_token_ids"
 COLUMNS = ["policy", "budget", "top1_agreement", "mean_kl", "passkey_accuracy", "passkey_hits"]
+
+
+def policy_options(spec: str) -> dict:
+    """``LLM`` keyword arguments of a policy spec, ``name[:option=value,...]``."""
+    name, _, rest = spec.partition(":")
+    options = {"kv_policy": name}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[f"kv_{key}"] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
 
 
 def run_engine(tasks: dict, policy: str, budgets: list[int]) -> dict:
@@ -78,8 +92,8 @@ def run_engine(tasks: dict, policy: str, budgets: list[int]) -> dict:
     stock = policy == "stock"
     llm = LLM(
         str(prepare()), dtype="float32", enforce_eager=True, max_model_len=4200, enable_prefix_caching=False,
-        kv_cache_memory_bytes=2 << 30, seed=0, logits_processors=[ForceTokens],
-        **({} if stock else {"kv_policy": policy, "kv_budget": max(budgets)}),
+        max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0, logits_processors=[ForceTokens],
+        **({} if stock else {**policy_options(policy), "kv_budget": max(budgets)}),
     )
     prompts, params, keys = [], [], []
     for budget in [None] if stock else budgets:
@@ -240,7 +254,7 @@ def main() -> int:
 
     settings = {
         "prompt_lens": lengths, "continuation": CONTINUATION, "top_logprobs": TOP_LOGPROBS,
-        "passkey_len": PASSKEY_LEN, "passkey_depths": depths, "quick": args.quick,
+        "passkey_len": PASSKEY_LEN, "passkey_depths": depths, "prefill_chunk": PREFILL_CHUNK, "quick": args.quick,
     }
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0

@@ -27,6 +27,7 @@ class KVPolicyConfig:
     pool_kernel: int = 7
     sink_tokens: int = 4
     recent_tokens: int = 64
+    merge: bool = True
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
@@ -51,6 +52,8 @@ class KVPolicyConfig:
         if self.sink_tokens < 0 or self.recent_tokens < 0:
             raise KVPolicyConfigError("--kv-sink-tokens and --kv-recent-tokens must be >= 0")
         policy = POLICIES[self.policy]
+        if not self.merge and "merge" not in {f.name for f in fields(policy)}:
+            raise KVPolicyConfigError(f"--kv-merge false applies to d2o, not to --kv-policy {self.policy}")
         if policy.needs_budget and self.budget is None and self.ratio is None:
             raise KVPolicyConfigError(f"--kv-policy {self.policy} needs --kv-budget or --kv-ratio")
         if policy.needs_window and self.budget is not None and self.budget <= self.window:

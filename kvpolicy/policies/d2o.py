@@ -118,7 +118,11 @@ def _gather(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class D2O(Policy):
-    """D2O at prompt end; ``budget`` is this layer's budget, from ``layer_budgets``."""
+    """D2O at prompt end; ``budget`` is this layer's budget, from ``layer_budgets``.
+
+    ``merge=False`` (``--kv-merge false``) evicts without merging: the paper's
+    ablation of merging against pure eviction at the same budgets.
+    """
 
     name = "d2o"
     relocates = True
@@ -127,6 +131,7 @@ class D2O(Policy):
     sink_tokens: int = 4
     recent_fraction: float = 0.25
     beta: float = 0.7
+    merge: bool = True
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         return self.compress(prompt, budget).kept
@@ -148,6 +153,8 @@ class D2O(Policy):
         kept = heavy_hitters(scores, budget, recent, sinks)
         heads, length = scores.shape
         dropped = torch.ones(heads, length, dtype=torch.bool).scatter(1, kept, False)
+        if not self.merge:
+            return MergedKV(list(kept.unbind(0)))
         evicted = torch.arange(length).expand(heads, -1)[dropped].view(heads, -1)
         keys, values, threshold = merge_evicted(
             _gather(prompt.keys, kept),

@@ -58,6 +58,14 @@ def _option_type(name: str, convert):
     return parse
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         ARG_GROUP, description="KV-cache compression inside vLLM's paged attention (kvpolicy)."
@@ -71,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("pool_kernel", int, defaults.pool_kernel, "max-pooling kernel over token scores"),
         ("sink_tokens", int, defaults.sink_tokens, "attention-sink tokens always kept"),
         ("recent_tokens", int, defaults.recent_tokens, "most recent tokens always kept"),
+        ("merge", _boolean, defaults.merge, "d2o: merge evicted tokens into their nearest kept ones (false: evict only)"),
     ]
     for name, convert, default, help_text in options:
         group.add_argument(

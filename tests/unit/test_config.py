@@ -85,3 +85,9 @@ def test_keydiff_request_budget_cannot_outgrow_the_startup_budget():
     assert config.check_request_budget(128, 8192) == 128
     with pytest.raises(KVPolicyConfigError, match="larger than --kv-budget 256, which sized the KV pool"):
         config.check_request_budget(512, 8192)
+
+
+def test_merge_switch_is_d2o_only():
+    assert KVPolicyConfig(policy="d2o", budget=128, merge=False).make_policy().merge is False
+    with pytest.raises(KVPolicyConfigError, match="--kv-merge false applies to d2o"):
+        KVPolicyConfig(policy="h2o", budget=128, merge=False)

@@ -261,3 +261,9 @@ def test_d2o_short_prompt_is_not_merged():
     keys, values = torch.randn(2, H, 30, D)
     merged = D2O().compress(PromptKV(keys, queries=torch.randn(H * G, 30, D), values=values), 30)
     assert merged.keys is keys and merged.values is values and merged.threshold is None
+
+
+def test_d2o_without_merging_keeps_the_same_tokens_unchanged(prompt):
+    merged, evicted_only = D2O().compress(prompt, 24), D2O(merge=False).compress(prompt, 24)
+    assert as_lists(evicted_only.kept) == as_lists(merged.kept)
+    assert evicted_only.keys is None and evicted_only.values is None
