@@ -45,9 +45,10 @@ def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, chunk: int 
     sums = torch.zeros(q_heads, length, dtype=torch.float64)
     for start in range(0, length, chunk):
         rows = queries[:, start : start + chunk].double()
-        logits = torch.einsum("hqd,hld->hql", rows, expanded) / math.sqrt(dim)
-        future = torch.arange(length)[None, :] > torch.arange(start, start + rows.shape[1])[:, None]
-        sums += logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)
+        end = start + rows.shape[1]  # keys past the chunk's last query get no weight: left out
+        logits = torch.einsum("hqd,hld->hql", rows, expanded[:, :end]) / math.sqrt(dim)
+        future = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+        sums[:, :end] += logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)
     return sums
 
 
