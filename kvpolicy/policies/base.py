@@ -19,6 +19,11 @@ class PromptKV:
     accumulate attention over the whole prompt (H2O, D2O). ``values``:
     [kv_heads, prompt_len, head_dim], for policies that rewrite kept tokens
     (D2O merges evicted values into them).
+
+    In decode (policies that evict as they generate) it is the layer's cache
+    so far, tokens in position order, with what the policy carried from its
+    last compression: ``scores``, [kv_heads, n] float64, each token's
+    accumulated attention; ``threshold``, [kv_heads], D2O's EMA threshold.
     """
 
     keys: torch.Tensor
@@ -27,6 +32,8 @@ class PromptKV:
     num_layers: int = 1
     queries: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -44,11 +51,17 @@ class CompressedKV:
     ``kept``: positions per KV head, ascending, int64. ``keys``/``values``:
     [kv_heads, kept, head_dim] when the policy rewrote the kept tokens (D2O
     merges evicted tokens into them); None when they stay as they are.
+    What a policy that evicts in decode carries to its next compression:
+    ``scores``, [kv_heads, kept], the kept tokens' accumulated attention;
+    ``threshold``, [kv_heads], D2O's EMA threshold (None before anything was
+    evicted).
     """
 
     kept: list[torch.Tensor]
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -63,9 +76,12 @@ class Policy:
     observed (``observe`` then ``layer_budgets``), so the engine compresses a
     prompt only after its last layer has run. ``evicts_while_reading``: the
     policy is applied again at every prompt chunk (to the tokens kept so far
-    plus the chunk) and in decode whenever a page's worth of tokens is over
-    budget, so a request never holds much more than its budget; it must keep
-    the same count in every head.
+    plus the chunk). ``evicts_in_decode``: it is applied again whenever a
+    page's worth of generated tokens is over budget, so a request never holds
+    much more than its budget; such policies keep the same count in every
+    head of a layer. ``accumulates_attention``: in decode, each new token's
+    attention weights over the cache are added to the cached tokens'
+    ``scores`` (the backend computes them beside the fused kernel).
     """
 
     name: ClassVar[str]
@@ -75,6 +91,8 @@ class Policy:
     needs_budget: ClassVar[bool] = True
     budgets_across_layers: ClassVar[bool] = False
     evicts_while_reading: ClassVar[bool] = False
+    evicts_in_decode: ClassVar[bool] = False
+    accumulates_attention: ClassVar[bool] = False
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""

@@ -31,12 +31,16 @@ the prose of §4, Table 4, §5.1 and App. A.3 settles them):
   exp(u_ij))``; values take the same weights (§4.2.2: similarity on keys only,
   shared with values). Computed in float64, returned in the input dtype.
 
-In the engine D2O runs at prompt end: every layer's column sums are taken
-as the layer runs (``observe``), the layer budgets once the last layer has
-run, and then each layer is compressed and its merged K/V written into its
-pages. Decode-time eviction and merging (one token per step against the
-carried threshold, ``merge_evicted``) is not wired: the fused attention
-kernel returns no weights.
+Decode follows H2O's (h2o.py): generated tokens' attention is added to the
+scores and, once a page's worth of tokens is over a layer's budget, that
+layer evicts back to it (sinks, recent quarter, heavy hitters) and merges
+the evicted tokens against the carried threshold. Every layer keeps the
+budget it got at prompt end.
+
+In the engine: every layer's column sums are taken as the layer runs
+(``observe``), the layer budgets once the last layer has run, and then each
+layer is compressed and its merged K/V written into its pages; in decode
+the backend adds attention weights and runs the eviction passes as for H2O.
 """
 
 from __future__ import annotations
@@ -104,21 +108,13 @@ def merge_evicted(
     return fuse(kept_keys, evicted_keys), fuse(kept_values, evicted_values), threshold
 
 
-@dataclass(frozen=True)
-class MergedKV(CompressedKV):
-    """D2O's compressed prompt: K/V of kept tokens after merging, and ``threshold``,
-    the per-head EMA threshold to carry into decode (None when nothing was evicted)."""
-
-    threshold: torch.Tensor | None = None
-
-
 def _gather(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return tensor.gather(1, positions[..., None].expand(-1, -1, tensor.shape[-1]))
 
 
 @dataclass(frozen=True)
 class D2O(Policy):
-    """D2O at prompt end; ``budget`` is this layer's budget, from ``layer_budgets``.
+    """D2O over a layer's prompt or its cache in decode; ``budget`` is the layer's, from ``layer_budgets``.
 
     ``merge=False`` (``--kv-merge false``) evicts without merging: the paper's
     ablation of merging against pure eviction at the same budgets.
@@ -128,6 +124,8 @@ class D2O(Policy):
     relocates = True
     needs_queries = True
     budgets_across_layers = True
+    evicts_in_decode = True
+    accumulates_attention = True
     sink_tokens: int = 4
     recent_fraction: float = 0.25
     beta: float = 0.7
@@ -143,25 +141,27 @@ class D2O(Policy):
     def layer_budgets(self, observations: list[torch.Tensor], budget: int) -> list[int]:
         return layer_budgets([column_sums_variance(sums) for sums in observations], budget)
 
-    def compress(self, prompt: PromptKV, budget: int, observation: torch.Tensor | None = None) -> MergedKV:
+    def compress(self, prompt: PromptKV, budget: int, observation: torch.Tensor | None = None) -> CompressedKV:
+        scores = prompt.scores
+        if scores is None:
+            scores = group_mean(self.observe(prompt) if observation is None else observation, prompt.num_heads)
         if prompt.num_tokens <= budget:
-            return MergedKV(self.keep_all(prompt), prompt.keys, prompt.values, None)
-        column_sums = self.observe(prompt) if observation is None else observation
-        scores = group_mean(column_sums, prompt.num_heads)
+            return CompressedKV(self.keep_all(prompt), scores=scores, threshold=prompt.threshold)
         recent = int(budget * self.recent_fraction)
         sinks = min(self.sink_tokens, budget - recent)
         kept = heavy_hitters(scores, budget, recent, sinks)
+        kept_scores = scores.gather(1, kept)
+        if not self.merge:
+            return CompressedKV(list(kept.unbind(0)), scores=kept_scores)
         heads, length = scores.shape
         dropped = torch.ones(heads, length, dtype=torch.bool).scatter(1, kept, False)
-        if not self.merge:
-            return MergedKV(list(kept.unbind(0)))
         evicted = torch.arange(length).expand(heads, -1)[dropped].view(heads, -1)
         keys, values, threshold = merge_evicted(
             _gather(prompt.keys, kept),
             _gather(prompt.values, kept),
             _gather(prompt.keys, evicted),
             _gather(prompt.values, evicted),
-            None,
+            prompt.threshold,
             self.beta,
         )
-        return MergedKV(list(kept.unbind(0)), keys, values, threshold)
+        return CompressedKV(list(kept.unbind(0)), keys, values, kept_scores, threshold)

@@ -1,25 +1,32 @@
-"""H2O heavy hitters: accumulated attention over the whole prompt, plus a recent window.
+"""H2O heavy hitters: accumulated attention, plus a recent window, kept as the request generates.
 
 The baseline named in keydiff.txt and d2o.txt (Zhang et al., 2024). Readings
 we chose:
 
-- Accumulated score of a token: the sum, over every prompt query, of its
-  causal softmax attention weight (the column sums of the prompt's attention
-  matrix), per query head, in float64 (so near-ties order the same in the
-  policy and its reference). GQA: the query heads sharing a KV head are
+- Accumulated score of a token: the sum, over every query that has seen it,
+  of its causal softmax attention weight (at prompt end, the column sums of
+  the prompt's attention matrix), per query head. Logits and softmax in
+  float32, sums in float64. GQA: the query heads sharing a KV head are
   averaged, as keydiff.txt (App. B.2) does for its H2O baseline.
 - ``budget`` counts every token a head keeps: the last ``recent_tokens``
   (at most ``budget``) are always kept, and the ``budget - recent`` best
   scores among the older tokens (ties to the earlier position).
-- Decode: the new token's attention weights are added to the scores (its own
-  score starts at its own weight); over budget, the older-than-recent token
-  with the lowest score is evicted (ties to the later one, so that a step
-  evicts exactly what keeping the top scores would).
+- Decode, at page granularity: each new token's attention weights over the
+  cache are added to the scores (its own score starts at its own weight).
+  The paper evicts the lightest older token at every step; we evict once a
+  page's worth of tokens (``block_size``) is over budget, keeping the same
+  rule (recent tokens plus the best scores), so a head attends over
+  ``budget`` to ``budget + block_size`` tokens and pages are freed
+  whole. A token that one-step eviction would drop may survive until the
+  page fills and be judged again then.
 
-In the engine, H2O runs at prompt end: the backend stashes every prompt
-query of each layer while the prompt is read (as it stashes the observation
-window for SnapKV) and hands them over with the keys. The decode step is not
-wired yet: the fused attention kernel returns no weights.
+In the engine, the backend stashes every prompt query of each layer while
+the prompt is read (as it stashes the observation window for SnapKV) and
+compresses at prompt end. In decode the fused attention kernel returns no
+weights, so the backend recomputes the new token's weights over the
+budget-sized cache it just attended (one small matrix-vector product per
+layer and head, ``add_attention``) and the builder schedules an eviction
+pass whenever a page's worth is over budget.
 """
 
 from __future__ import annotations
@@ -29,37 +36,50 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.base import CompressedKV, Policy, PromptKV
 
 
 def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """Column sums of each query head's causal prompt attention, [q_heads, prompt_len], float64.
+    """Column sums of each query head's causal attention over ``keys``, [q_heads, length], float64.
 
-    ``keys``: [kv_heads, L, D]; ``queries``: [q_heads, L, D], query i at
-    position i (query head q belongs to KV head ``q // (q_heads // kv_heads)``).
-    Queries are taken ``chunk`` at a time so memory stays O(chunk * L).
+    ``keys``: [kv_heads, length, D]; ``queries``: [q_heads, t, D], the last
+    ``t`` positions (query i at position ``length - t + i``): the whole prompt
+    at prompt end, the new tokens in decode. Query head q belongs to KV head
+    ``q // (q_heads // kv_heads)``. Queries are taken ``chunk`` at a time so
+    memory stays O(chunk * length).
     """
     kv_heads, length, dim = keys.shape
-    q_heads = queries.shape[0]
-    expanded = keys.double().repeat_interleave(q_heads // kv_heads, dim=0)
+    q_heads, count = queries.shape[:2]
+    expanded = keys.float().repeat_interleave(q_heads // kv_heads, dim=0).transpose(1, 2)
     sums = torch.zeros(q_heads, length, dtype=torch.float64)
-    for start in range(0, length, chunk):
-        rows = queries[:, start : start + chunk].double()
-        end = start + rows.shape[1]  # keys past the chunk's last query get no weight: left out
-        logits = torch.einsum("hqd,hld->hql", rows, expanded[:, :end]) / math.sqrt(dim)
-        future = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
-        sums[:, :end] += logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)
+    first = length - count
+    for start in range(0, count, chunk):
+        rows = queries[:, start : start + chunk].float() / math.sqrt(dim)
+        end = first + start + rows.shape[1]  # keys past the chunk's last query get no weight: left out
+        future = torch.arange(end)[None, :] > torch.arange(first + start, end)[:, None]
+        weights = (rows @ expanded[..., :end]).masked_fill_(future, float("-inf")).softmax(dim=-1)
+        sums[:, :end] += weights.sum(dim=1, dtype=torch.float64)
     return sums
 
 
 def group_mean(column_sums: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """H2O scores per KV head, [kv_heads, prompt_len]: query heads' column sums averaged over the GQA group."""
+    """H2O scores per KV head, [kv_heads, length]: query heads' column sums averaged over the GQA group."""
     return column_sums.view(kv_heads, -1, column_sums.shape[-1]).mean(dim=1)
 
 
 def accumulated_attention(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """H2O scores per KV head, [kv_heads, prompt_len]."""
+    """H2O scores per KV head, [kv_heads, length], of the attention of ``queries`` (the last positions)."""
     return group_mean(attention_column_sums(keys, queries), keys.shape[0])
+
+
+def add_attention(scores: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """The cache's scores after new tokens attended, [kv_heads, n + t].
+
+    ``scores``: [kv_heads, n], before the new tokens; ``keys``: [kv_heads,
+    n + t, D], the new tokens last; ``queries``: [q_heads, t, D], theirs.
+    """
+    fresh = torch.zeros(scores.shape[0], queries.shape[1], dtype=torch.float64)
+    return torch.cat([scores, fresh], dim=1) + accumulated_attention(keys, queries)
 
 
 def heavy_hitters(scores: torch.Tensor, budget: int, recent: int, sinks: int = 0) -> torch.Tensor:
@@ -71,39 +91,25 @@ def heavy_hitters(scores: torch.Tensor, budget: int, recent: int, sinks: int = 0
     return torch.cat([best, fixed], dim=1).sort(dim=-1).values
 
 
-def h2o_decode_step(
-    scores: torch.Tensor, new_weights: torch.Tensor, budget: int, recent_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One decode step of one layer: accumulate the new token's attention, evict one token if over budget.
-
-    ``scores``: [kv_heads, n], the accumulated scores of the cached tokens in
-    cache (= position) order; ``new_weights``: [q_heads, n + 1], the new
-    token's attention over the cache and itself. Returns the updated scores
-    of the tokens that stay, [kv_heads, n + 1] or [kv_heads, n], and the cache
-    slot each head evicts ([kv_heads]), or None while within budget.
-    """
-    kv_heads, cached = scores.shape
-    added = new_weights.double().view(kv_heads, -1, cached + 1).mean(dim=1)
-    updated = torch.cat([scores.double(), torch.zeros(kv_heads, 1, dtype=torch.float64)], dim=1) + added
-    if cached + 1 <= budget:
-        return updated, None
-    older = updated[:, : cached + 1 - min(recent_tokens, budget)]
-    evicted = older.shape[1] - 1 - older.flip(-1).argmin(dim=-1)
-    stays = torch.ones_like(updated, dtype=torch.bool).scatter(1, evicted[:, None], False)
-    return updated[stays].view(kv_heads, cached), evicted
-
-
 @dataclass(frozen=True)
 class H2O(Policy):
-    """Heavy hitters by accumulated attention over every prompt query, plus the recent tokens."""
+    """Heavy hitters by accumulated attention (the prompt's, then each generated token's), plus the recent tokens."""
 
     name = "h2o"
     relocates = True
     needs_queries = True
+    evicts_in_decode = True
+    accumulates_attention = True
     recent_tokens: int = 64
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
+        return self.compress(prompt, budget).kept
+
+    def compress(self, prompt: PromptKV, budget: int, observation=None) -> CompressedKV:
+        scores = prompt.scores
+        if scores is None:
+            scores = accumulated_attention(prompt.keys, prompt.queries)
         if prompt.num_tokens <= budget:
-            return self.keep_all(prompt)
-        scores = accumulated_attention(prompt.keys, prompt.queries)
-        return list(heavy_hitters(scores, budget, min(self.recent_tokens, budget)).unbind(0))
+            return CompressedKV(self.keep_all(prompt), scores=scores)
+        kept = heavy_hitters(scores, budget, min(self.recent_tokens, budget))
+        return CompressedKV(list(kept.unbind(0)), scores=scores.gather(1, kept))

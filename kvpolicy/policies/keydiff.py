@@ -58,6 +58,7 @@ class KeyDiff(Policy):
     name = "keydiff"
     relocates = True
     evicts_while_reading = True
+    evicts_in_decode = True
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         if prompt.num_tokens <= budget:

@@ -19,6 +19,7 @@ import torch
 
 from kvpolicy.paging import PageLayout, RequestPages
 from kvpolicy.policies import PromptKV
+from kvpolicy.policies.h2o import add_attention
 from kvpolicy.vllm.args import REQUEST_BUDGET_KEY
 from kvpolicy.vllm.internals import (
     CPU_ATTN_MODULE,
@@ -27,7 +28,7 @@ from kvpolicy.vllm.internals import (
     get_forward_context,
     ops,
 )
-from kvpolicy.vllm.state import WORKER_STATE
+from kvpolicy.vllm.state import WORKER_STATE, CarriedState
 
 _cpu_attn = importlib.import_module(CPU_ATTN_MODULE)
 CPUAttentionBackend = _cpu_attn.CPUAttentionBackend
@@ -55,7 +56,8 @@ class PerHeadBatch:
     ``head_of[i]``; tokens are ordered by (request, head, position), so each
     virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
     attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
-    virtual-token order).
+    virtual-token order). ``requests``: (request id, first batch token, query
+    length) of each relocated request.
     """
 
     token_idx: torch.Tensor
@@ -63,6 +65,7 @@ class PerHeadBatch:
     head_of: torch.Tensor
     layers: list[AttentionBatch]
     slots: torch.Tensor
+    requests: list[tuple[str, int, int]]
 
 
 @dataclass
@@ -74,12 +77,14 @@ class Relocation:
     ``num_computed``: tokens in the cache after this step; more than the
     prompt when a preempted request recomputes its prompt and output in one
     go. The policy chooses among prompt tokens; later tokens are all kept.
+    Both are None for an eviction pass over a request already relocated
+    (prompt chunks, decode): each layer's cache so far, to its own budget.
     """
 
     req_id: str
     pages: RequestPages
-    num_tokens: int
-    num_computed: int
+    num_tokens: int | None
+    num_computed: int | None
     budget: int | None
     window_idx: torch.Tensor
 
@@ -147,7 +152,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         seq_lens = cam.seq_lens[:num_reqs].cpu().numpy()
         block_table = cam.block_table_tensor
         per_head_rows, relocations, stash = [], [], []
-        evicts = WORKER_STATE.policy.evicts_while_reading
+        policy = WORKER_STATE.policy
         for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
             query_len = int(qsl[row + 1] - qsl[row])
             seq_len = int(seq_lens[row])
@@ -168,17 +173,18 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             budget = WORKER_STATE.config.budget_for(prompt_len, override)
             if pages is not None:
                 pages.add_blocks(block_table[row, len(pages.blocks) : num_blocks].tolist())
-                per_head_rows.append((row, pages, query_len))
-                if evicts and self._evicts_now(pages, query_len, budget, start < prompt_len):
-                    length = self._uniform_length(pages) + query_len
-                    done = start < prompt_len <= seq_len
-                    relocations.append(self._relocation(req_id, pages, length, length, budget, done))
+                per_head_rows.append((row, req_id, pages, query_len))
+                reading = start < prompt_len
+                evicts = policy.evicts_while_reading if reading else policy.evicts_in_decode
+                if evicts and self._evicts_now(req_id, pages, query_len, reading):
+                    done = reading and prompt_len <= seq_len
+                    relocations.append(self._relocation(req_id, pages, None, None, None, done))
                 continue
-            if budget is None and WORKER_STATE.policy.needs_budget:
+            if budget is None and policy.needs_budget:
                 continue  # short prompt: stays on the stock path
             window_idx = self._window_tokens(int(qsl[row]), start, seq_len, prompt_len)
             reading = seq_len < request.num_tokens  # the prompt (after a preemption: prompt and output)
-            if reading and not (evicts and seq_len > budget):
+            if reading and not (policy.evicts_while_reading and seq_len > budget):
                 if window_idx.numel():
                     stash.append(WindowStash(req_id, window_idx))
                 continue
@@ -191,7 +197,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata = KVPolicyMetadata(**vars(metadata), relocations=relocations, window_stash=stash)
         if per_head_rows:
             metadata.per_head = self._per_head_batch(per_head_rows, qsl)
-            stock_rows = sorted(set(range(num_reqs)) - {row for row, _, _ in per_head_rows})
+            stock_rows = sorted(set(range(num_reqs)) - {row for row, _, _, _ in per_head_rows})
             metadata.stock = self._stock_batch(stock_rows, qsl, cam)
         return metadata
 
@@ -202,17 +208,14 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             window_idx = torch.zeros(0, dtype=torch.int64)
         return Relocation(req_id, pages, num_tokens, num_computed, budget, window_idx)
 
-    def _evicts_now(self, pages: RequestPages, query_len: int, budget: int, reading: bool) -> bool:
-        """An evicting policy compresses at every prompt chunk, and in decode once a page's worth is over budget."""
-        length = self._uniform_length(pages) + query_len
-        return length > budget if reading else length >= budget + self.block_size
-
-    @staticmethod
-    def _uniform_length(pages: RequestPages) -> int:
+    def _evicts_now(self, req_id: str, pages: RequestPages, query_len: int, reading: bool) -> bool:
+        """An evicting policy compresses at every prompt chunk over budget, and in decode once some
+        layer is a page's worth over its budget (then every layer over budget is brought back to it)."""
         lengths = pages.lengths
-        if lengths.min() != lengths.max():
-            raise RuntimeError("a policy that evicts while reading must keep the same count in every head")
-        return int(lengths[0, 0])
+        if (lengths != lengths[:, :1]).any():
+            raise RuntimeError("a policy that evicts must keep the same count in every head of a layer")
+        over = lengths[:, 0] + query_len - np.asarray(WORKER_STATE.carried[req_id].budgets)
+        return over.max() > 0 if reading else over.max() >= self.block_size
 
     @staticmethod
     def _window_tokens(first_token: int, start: int, end: int, prompt_len: int) -> torch.Tensor:
@@ -234,30 +237,35 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _per_head_batch(self, rows, qsl) -> PerHeadBatch:
         heads = self.num_kv_heads
-        token_idx = torch.cat([torch.arange(int(qsl[row]), int(qsl[row]) + q) for row, _, q in rows])
+        token_idx = torch.cat([torch.arange(int(qsl[row]), int(qsl[row]) + q) for row, _, _, q in rows])
         token_of, head_of, slots = [], [], []
-        for row, pages, query_len in rows:
+        for row, _, pages, query_len in rows:
             tokens = torch.arange(int(qsl[row]), int(qsl[row]) + query_len)
             token_of.append(tokens.repeat(heads))
             head_of.append(torch.arange(heads).repeat_interleave(query_len))
             slots.append(pages.append(query_len).transpose(0, 2, 1).reshape(self.num_layers, -1))  # [layers, H*q]
-        query_lens = torch.tensor([query_len for _, _, query_len in rows]).repeat_interleave(heads)
+        query_lens = torch.tensor([query_len for _, _, _, query_len in rows]).repeat_interleave(heads)
         query_start_loc = torch.zeros(query_lens.numel() + 1, dtype=torch.int32)
         query_start_loc[1:] = query_lens.cumsum(0)
-        lengths = np.stack([pages.lengths for _, pages, _ in rows], axis=1)
-        width = max(pages.max_pages() for _, pages, _ in rows)
+        lengths = np.stack([pages.lengths for _, _, pages, _ in rows], axis=1)
+        width = max(pages.max_pages() for _, _, pages, _ in rows)
         layers, by_lengths = [], {}
         for layer in range(self.num_layers):
             seq_lens = torch.from_numpy(lengths[layer].reshape(-1).astype(np.int32))
             key = seq_lens.numpy().tobytes()
             if key not in by_lengths:
                 by_lengths[key] = self._scheduler_metadata(seq_lens, query_start_loc, self.queries_per_kv, 1)
-            table = np.concatenate([pages.block_table(layer, width) for _, pages, _ in rows])
+            table = np.concatenate([pages.block_table(layer, width) for _, _, pages, _ in rows])
             layers.append(
                 AttentionBatch(token_idx, query_start_loc, seq_lens, torch.from_numpy(table), by_lengths[key])
             )
         return PerHeadBatch(
-            token_idx, torch.cat(token_of), torch.cat(head_of), layers, torch.from_numpy(np.concatenate(slots, axis=1))
+            token_idx,
+            torch.cat(token_of),
+            torch.cat(head_of),
+            layers,
+            torch.from_numpy(np.concatenate(slots, axis=1)),
+            [(req_id, int(qsl[row]), query_len) for row, req_id, _, query_len in rows],
         )
 
     def _stock_batch(self, rows, qsl, cam) -> AttentionBatch:
@@ -370,6 +378,8 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             layer_idx = extract_layer_index(layer.layer_name)
             for stash in attn_metadata.window_stash:
                 WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx])
+            if attn_metadata.per_head is not None and WORKER_STATE.policy.accumulates_attention:
+                self._add_attention(layer.isa, query, kv_cache, layer_idx, attn_metadata.per_head)
             if attn_metadata.relocations:
                 self._relocate(layer, query, kv_cache, attn_metadata.relocations)
         return output
@@ -389,6 +399,19 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         self._attend(layer, head_query, head_out, *self._split(kv_cache, one_head=True), batch)
         out.view(by_kv_head)[per_head.token_of, per_head.head_of] = head_out
 
+    def _add_attention(self, isa, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
+        """Add the new tokens' attention weights over each relocated request's cache to its carried scores.
+
+        The fused kernel returns no weights; the cache is budget-sized, so
+        recomputing them is a small product per request, layer and head.
+        """
+        for req_id, first, count in per_head.requests:
+            pages = WORKER_STATE.requests[req_id]
+            carried = WORKER_STATE.carried[req_id]
+            keys, _ = self._read(isa, kv_cache, layer_idx, pages, int(pages.lengths[layer_idx, 0]))
+            queries = query[first : first + count].view(count, self.num_heads, self.head_size).transpose(0, 1)
+            carried.scores[layer_idx] = add_attention(carried.scores[layer_idx], keys, queries)
+
     def _relocate(self, layer, query, kv_cache, relocations: list[Relocation]) -> None:
         """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps.
 
@@ -401,12 +424,16 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             WORKER_STATE.block_bytes = kv_cache[0].nbytes * num_layers
         policy = WORKER_STATE.policy
         for relocation in relocations:
+            if relocation.num_tokens is None:
+                self._evict(layer.isa, kv_cache, layer_idx, relocation)
+                continue
             queries = None
             if policy.needs_window or policy.needs_queries:
                 queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
             prompt = self._prompt(layer.isa, kv_cache, layer_idx, relocation, queries)
+            counts = relocation.num_tokens, relocation.num_computed
             if not policy.budgets_across_layers:
-                self._compact(layer.isa, kv_cache, layer_idx, relocation, prompt, relocation.budget, None)
+                self._compact(layer.isa, kv_cache, layer_idx, relocation, prompt, relocation.budget, None, *counts)
                 continue
             observed = WORKER_STATE.observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
             if layer_idx == num_layers - 1:
@@ -414,35 +441,64 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
                 budgets = policy.layer_budgets(list(observations), relocation.budget)
                 for i, (cache, observation, budget) in enumerate(zip(caches, observations, budgets)):
                     earlier = prompt if i == layer_idx else self._prompt(layer.isa, cache, i, relocation, None)
-                    self._compact(layer.isa, cache, i, relocation, earlier, budget, observation)
+                    self._compact(layer.isa, cache, i, relocation, earlier, budget, observation, *counts)
+
+    def _evict(self, isa, kv_cache, layer_idx: int, relocation: Relocation) -> None:
+        """An eviction pass: this layer's cache back to its budget, with what the policy carried, if over it."""
+        pages = relocation.pages
+        carried = WORKER_STATE.carried[relocation.req_id]
+        length = int(pages.lengths[layer_idx, 0])
+        budget = carried.budgets[layer_idx]
+        if length <= budget:
+            return
+        keys, values = self._read(isa, kv_cache, layer_idx, pages, length)
+        cache = PromptKV(
+            keys,
+            layer=layer_idx,
+            num_layers=pages.num_layers,
+            values=values,
+            scores=carried.scores[layer_idx],
+            threshold=carried.thresholds[layer_idx],
+        )
+        self._compact(isa, kv_cache, layer_idx, relocation, cache, budget, None, length, length)
 
     @staticmethod
-    def _prompt(isa, kv_cache, layer_idx: int, relocation: Relocation, queries) -> PromptKV:
-        """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs."""
+    def _read(isa, kv_cache, layer_idx: int, pages: RequestPages, num_tokens: int):
+        """The first ``num_tokens`` of each head of one layer of a request: keys, values, [heads, n, head_dim]."""
         num_blocks, heads, block_size, width = kv_cache.shape
         layout = page_layout(isa, kv_cache.dtype, block_size, width // 2)
-        every = torch.arange(relocation.num_tokens)
-        slots = relocation.pages.current_slots(layer_idx, [every] * heads)
+        slots = pages.current_slots(layer_idx, [torch.arange(num_tokens)] * heads)
         keys, values = layout.gather(kv_cache.view(num_blocks * heads, -1), slots)
+        return keys.view(heads, num_tokens, -1), values.view(heads, num_tokens, -1)
+
+    def _prompt(self, isa, kv_cache, layer_idx: int, relocation: Relocation, queries) -> PromptKV:
+        """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs."""
+        keys, values = self._read(isa, kv_cache, layer_idx, relocation.pages, relocation.num_tokens)
         policy = WORKER_STATE.policy
         return PromptKV(
-            keys.view(heads, relocation.num_tokens, -1),
+            keys,
             window_queries=queries if policy.needs_window else None,
             layer=layer_idx,
             num_layers=relocation.pages.num_layers,
             queries=queries if policy.needs_queries else None,
-            values=values.view(heads, relocation.num_tokens, -1),
+            values=values,
         )
 
     @staticmethod
-    def _compact(isa, kv_cache, layer_idx: int, relocation: Relocation, prompt: PromptKV, budget, observation):
-        """Pack what the policy keeps of one layer into per-head pages; write back K/V it rewrote."""
+    def _compact(isa, kv_cache, layer_idx, relocation, prompt, budget, observation, num_tokens, num_computed):
+        """Pack what the policy keeps of one layer into per-head pages; write back K/V it rewrote.
+
+        The policy chooses among the first ``num_tokens``; the rest, up to
+        ``num_computed``, are kept. A policy that evicts in decode carries
+        the layer's budget, scores and threshold to its next pass.
+        """
         num_blocks, heads, block_size, width = kv_cache.shape
         layout = page_layout(isa, kv_cache.dtype, block_size, width // 2)
         pages_view = kv_cache.view(num_blocks * heads, -1)
         pages = relocation.pages
-        result = WORKER_STATE.policy.compress(prompt, budget, observation)
-        generated = torch.arange(relocation.num_tokens, relocation.num_computed)
+        policy = WORKER_STATE.policy
+        result = policy.compress(prompt, budget, observation)
+        generated = torch.arange(num_tokens, num_computed)
         moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in result.kept])
         k, v = layout.gather(pages_view, moves.src)
         layout.scatter(pages_view, moves.dst, k, v)
@@ -450,3 +506,11 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             slots = pages.current_slots(layer_idx, [torch.arange(kept.numel()) for kept in result.kept])
             head_size = width // 2
             layout.scatter(pages_view, slots, result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size))
+        if policy.evicts_in_decode:
+            carried = WORKER_STATE.carried.setdefault(relocation.req_id, CarriedState.empty(pages.num_layers))
+            carried.budgets[layer_idx] = budget
+            if result.scores is not None:
+                # Output recomputed after a preemption has no scores yet.
+                unseen = torch.zeros(heads, generated.numel(), dtype=torch.float64)
+                carried.scores[layer_idx] = torch.cat([result.scores, unseen], dim=1)
+            carried.thresholds[layer_idx] = result.threshold

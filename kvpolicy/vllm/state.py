@@ -14,11 +14,25 @@ from kvpolicy.policies import Policy
 
 
 @dataclass
+class CarriedState:
+    """What a policy that evicts in decode carries per layer between a request's compressions."""
+
+    budgets: list[int]
+    scores: list[torch.Tensor | None]
+    thresholds: list[torch.Tensor | None]
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "CarriedState":
+        return cls([0] * num_layers, [None] * num_layers, [None] * num_layers)
+
+
+@dataclass
 class WorkerState:
     """Per worker process: the policy, the model runner (to map batch rows to
     request ids), the page tables of relocated requests, the observation-window
     queries of prompts still being read, what each layer observed of a prompt
-    for policies that budget across layers, and counters for the metrics."""
+    for policies that budget across layers, what policies that evict in
+    decode carry, and counters for the metrics."""
 
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
@@ -26,6 +40,7 @@ class WorkerState:
     requests: dict[str, RequestPages] = field(default_factory=dict)
     window_queries: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
+    carried: dict[str, CarriedState] = field(default_factory=dict)
     relocated_this_step: dict[str, bool] = field(default_factory=dict)  # req id -> the prompt completed
     block_bytes: int = 0
     counters: Counter = field(default_factory=Counter)
@@ -37,6 +52,7 @@ class WorkerState:
         self.requests.clear()
         self.window_queries.clear()
         self.observed.clear()
+        self.carried.clear()
 
     @property
     def relocates(self) -> bool:
@@ -63,6 +79,7 @@ class WorkerState:
             self.requests.pop(req_id, None)
             self.window_queries.pop(req_id, None)
             self.observed.pop(req_id, None)
+            self.carried.pop(req_id, None)
 
     def take_counters(self) -> dict[str, int]:
         taken = dict(self.counters)

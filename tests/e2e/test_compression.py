@@ -50,6 +50,22 @@ def test_every_compressing_policy_runs_in_the_engine(engine_run, policy):
             assert run["requests"][i] == stock[i], f"request {i} ({n} tokens) was not compressed and must be exact"
 
 
+@pytest.mark.parametrize("policy", ["h2o", "d2o"])
+def test_attention_policies_evict_in_decode_a_page_at_a_time(engine_run, policy):
+    """A page's worth of output past the budget (block size 128) is one eviction pass per compressed request.
+
+    Adding each new token's attention to the scores changes nothing before
+    that pass: the first tokens equal the short run's. Every block comes back.
+    """
+    run = engine_run("--policy", policy, "--budget", str(BUDGET), "--max-tokens", "136")
+    short = engine_run("--policy", policy, "--budget", str(BUDGET))
+    assert run["counters"]["eviction_passes"] == sum(n > BUDGET for n in PROMPT_LENS)
+    assert run["counters"]["released_blocks"] > short["counters"]["released_blocks"]
+    assert run["kv_cache_usage_end"] == 0.0
+    for long_request, short_request in zip(run["requests"], short["requests"]):
+        assert long_request["token_ids"][: len(short_request["token_ids"])] == short_request["token_ids"]
+
+
 @pytest.fixture(scope="module")
 def captured(engine_run):
     """What adasnap saw and kept in the engine, for the 1,100-token prompt at layers 0, 15 and 29."""

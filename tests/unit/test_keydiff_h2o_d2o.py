@@ -11,7 +11,7 @@ import torch
 
 from kvpolicy.policies import POLICIES, PromptKV, make_policy
 from kvpolicy.policies.d2o import D2O, layer_budgets, merge_evicted, prompt_attention_variance
-from kvpolicy.policies.h2o import H2O, h2o_decode_step
+from kvpolicy.policies.h2o import H2O, add_attention
 from kvpolicy.policies.keydiff import keydiff_block_step
 
 H, G, D, L = 3, 3, 8, 70
@@ -85,6 +85,8 @@ def test_registry_has_keydiff_h2o_and_d2o():
     assert POLICIES["h2o"] is H2O and POLICIES["d2o"] is D2O
     assert D2O.budgets_across_layers and not H2O.budgets_across_layers
     assert H2O.needs_queries and D2O.needs_queries and not POLICIES["keydiff"].needs_queries
+    assert all(POLICIES[name].evicts_in_decode for name in ("keydiff", "h2o", "d2o"))
+    assert H2O.accumulates_attention and D2O.accumulates_attention and not POLICIES["keydiff"].accumulates_attention
 
 
 def test_keydiff_keeps_the_keys_least_like_the_anchor(prompt):
@@ -123,29 +125,69 @@ def test_h2o_keeps_recent_tokens_and_heavy_hitters(prompt):
     assert as_lists(got) == [reference_heavy_hitters(scores[h], 24, 8, 0) for h in range(H)]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_h2o_decode_step_accumulates_and_evicts_the_lightest_older_token(seed):
-    gen = torch.Generator().manual_seed(seed)
-    cached, budget, recent = 12, 12, 4
-    scores = torch.rand(H, cached, generator=gen, dtype=torch.float64) * 5
-    weights = torch.randn(H * G, cached + 1, generator=gen, dtype=torch.float64).softmax(dim=-1)
-    updated, evicted = h2o_decode_step(scores, weights, budget, recent)
+def reference_generation_attention(keys, queries, head, t, cache):
+    """Token t's attention over the cached positions, for one KV head: softmax per query head, group mean."""
+    added = [0.0] * len(cache)
+    for g in range(G):
+        logits = [dot(queries[head * G + g][t], keys[head][p]) / math.sqrt(len(keys[0][0])) for p in cache]
+        peak = max(logits)
+        exps = [math.exp(x - peak) for x in logits]
+        for i, e in enumerate(exps):
+            added[i] += e / sum(exps) / G
+    return added
+
+
+def reference_h2o_generation(keys, queries, prompt_len, budget, recent, block):
+    """H2O over a prompt, then over each generated token t (key and query t), evicting a page's worth at a time.
+
+    Each new token's attention is added to the cached tokens' scores; once
+    the cache holds ``budget + block`` tokens it is cut back to ``budget``
+    by the prompt's rule. Returns each head's kept positions at the end.
+    """
+    scores = reference_h2o_scores([k[:prompt_len] for k in keys], [q[:prompt_len] for q in queries])
+    result = []
+    for h in range(len(keys)):
+        kept = reference_heavy_hitters(scores[h], budget, recent, 0)
+        score = {p: scores[h][p] for p in kept}
+        for t in range(prompt_len, len(keys[0])):
+            kept = kept + [t]
+            score[t] = 0.0
+            for p, weight in zip(kept, reference_generation_attention(keys, queries, h, t, kept)):
+                score[p] += weight
+            if len(kept) >= budget + block:
+                kept = [kept[i] for i in reference_heavy_hitters([score[p] for p in kept], budget, recent, 0)]
+        result.append(kept)
+    return result
+
+
+def test_add_attention_adds_the_new_tokens_group_mean_weights():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(H, 12, generator=gen, dtype=torch.float64) * 5
+    keys = torch.randn(H, 13, D, generator=gen, dtype=torch.float64)
+    queries = torch.randn(H * G, 13, D, generator=gen, dtype=torch.float64)
+    got = add_attention(scores, keys, queries[:, 12:])
     for h in range(H):
-        summed = scores[h].tolist() + [0.0]
-        for j in range(cached + 1):
-            summed[j] += sum(weights[h * G + g, j].item() for g in range(G)) / G
-        kept = top(summed[: cached + 1 - recent], budget - recent) + list(range(cached + 1 - recent, cached + 1))
-        (lost,) = set(range(cached + 1)) - set(kept)
-        assert evicted[h].item() == lost
-        assert updated[h].tolist() == pytest.approx([summed[j] for j in kept], abs=1e-12)
-    within, none = h2o_decode_step(scores, weights, budget + 1, recent)
-    assert none is None and within.shape == (H, cached + 1)
+        weights = reference_generation_attention(keys.tolist(), queries.tolist(), h, 12, list(range(13)))
+        expected = [s + w for s, w in zip(scores[h].tolist() + [0.0], weights)]
+        assert got[h].tolist() == pytest.approx(expected, abs=1e-6)
 
 
-def test_h2o_decode_step_ties_evict_the_later_token():
-    scores = torch.tensor([[1.0, 0.0, 0.0, 2.0, 5.0]])
-    _, evicted = h2o_decode_step(scores, torch.zeros(1, 6), budget=5, recent_tokens=1)
-    assert evicted.tolist() == [2]
+def test_h2o_generation_in_the_engine_order_equals_the_reference(prompt):
+    """The engine's decode: add_attention every step, compress with the carried scores once a page's worth is over."""
+    prompt_len, budget, block = 40, 16, 8
+    policy = H2O(recent_tokens=4)
+    first = policy.compress(PromptKV(prompt.keys[:, :prompt_len], queries=prompt.queries[:, :prompt_len]), budget)
+    kept, scores, passes = torch.stack(first.kept), first.scores, 0
+    for t in range(prompt_len, L):
+        kept = torch.cat([kept, torch.full((H, 1), t)], dim=1)
+        cache_keys = prompt.keys.gather(1, kept[..., None].expand(-1, -1, D))
+        scores = add_attention(scores, cache_keys, prompt.queries[:, t : t + 1])
+        if kept.shape[1] >= budget + block:
+            result = policy.compress(PromptKV(cache_keys, scores=scores), budget)
+            kept, scores, passes = kept.gather(1, torch.stack(result.kept)), result.scores, passes + 1
+    assert passes == 3
+    expected = reference_h2o_generation(prompt.keys.tolist(), prompt.queries.tolist(), prompt_len, budget, 4, block)
+    assert kept.tolist() == expected
 
 
 def test_d2o_layer_variance_is_the_mean_over_query_heads(prompt):
@@ -260,7 +302,29 @@ def test_short_prompts_are_kept_whole(policy):
 def test_d2o_short_prompt_is_not_merged():
     keys, values = torch.randn(2, H, 30, D)
     merged = D2O().compress(PromptKV(keys, queries=torch.randn(H * G, 30, D), values=values), 30)
-    assert merged.keys is keys and merged.values is values and merged.threshold is None
+    assert merged.keys is None and merged.values is None and merged.threshold is None
+    assert merged.scores.shape == (H, 30), "its scores are carried into decode"
+
+
+def test_d2o_decode_pass_evicts_by_carried_scores_and_merges_against_the_carried_threshold(prompt):
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.rand(H, L, generator=gen, dtype=torch.float64) * 5
+    previous = torch.rand(H, generator=gen, dtype=torch.float64) - 0.2
+    cache = PromptKV(prompt.keys, values=prompt.values, scores=scores, threshold=previous)
+    got = D2O().compress(cache, 24)
+    for h in range(H):
+        kept = reference_heavy_hitters(scores[h].tolist(), 24, 6, 4)
+        evicted = [p for p in range(L) if p not in kept]
+        keys, values = prompt.keys[h].tolist(), prompt.values[h].tolist()
+        ref_keys, ref_values, threshold, _ = reference_merge(
+            [keys[p] for p in kept], [values[p] for p in kept],
+            [keys[p] for p in evicted], [values[p] for p in evicted], previous[h].item(), 0.7,
+        )
+        assert got.kept[h].tolist() == kept
+        assert got.scores[h].tolist() == [scores[h, p].item() for p in kept]
+        assert torch.allclose(got.keys[h], torch.tensor(ref_keys, dtype=torch.float64), atol=1e-6, rtol=0)
+        assert torch.allclose(got.values[h], torch.tensor(ref_values, dtype=torch.float64), atol=1e-6, rtol=0)
+        assert got.threshold[h].item() == pytest.approx(threshold, abs=1e-12)
 
 
 def test_d2o_without_merging_keeps_the_same_tokens_unchanged(prompt):
