@@ -41,7 +41,10 @@ COUNTERS = {
     ),
     "eviction_passes": (
         "vllm:kvpolicy_eviction_passes",
-        "Compressions of a request before its prompt completes or after (keydiff: each prompt chunk, each page filled in decode).",
+        (
+            "Compressions of a request before its prompt completes (keydiff: each chunk) or after it"
+            " (keydiff, h2o, d2o: each page's worth of tokens over budget in decode)."
+        ),
     ),
     "prompt_kv_tokens": (
         "vllm:kvpolicy_prompt_kv_tokens",
