@@ -38,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
 
-#: ``name`` or ``name:option=value`` (``d2o:merge=false``: D2O's eviction without its merging).
-POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o", "d2o:merge=false"]
+#: ``name`` or ``name:option=value``.
+POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"]
+#: Also in the full mode: D2O's eviction without its merging, to see what merging buys.
+ABLATIONS = ["d2o:merge=false"]
 CONTINUATION = 64
 #: Prefill chunk (--max-num-batched-tokens): keydiff evicts after each one.
 PREFILL_CHUNK = 512
@@ -193,7 +195,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 prompts, budget 256, 3 passkey depths")
-    parser.add_argument("--policies", nargs="+", default=POLICIES)
+    parser.add_argument("--policies", nargs="+", default=None, help="default: all (quick: without the ablations)")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 4, full 20)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "fidelity.json")
@@ -212,6 +214,7 @@ def main() -> int:
 
     from kvpolicy.model import prepare
 
+    policies = args.policies or (POLICIES if args.quick else POLICIES + ABLATIONS)
     count = args.prompts or (4 if args.quick else 20)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
     depths = [0.1, 0.5, 0.9] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -234,14 +237,14 @@ def main() -> int:
         return json.loads(out.read_text())
 
     rows = []
-    with tqdm(total=1 + len(args.policies), desc="engines", unit="engine") as progress:
+    with tqdm(total=1 + len(policies), desc="engines", unit="engine") as progress:
         full = engine("stock", [])
         progress.update()
         reference = full["fidelity"]["None"]
         tasks["reference"] = [r["token_ids"] for r in reference]
         rows.append({"policy": "full cache", "budget": None, "top1_agreement": 1.0, "mean_kl": 0.0,
                      **passkey_row(full["passkey"]["None"], tasks["passkey"])})
-        for policy in args.policies:
+        for policy in policies:
             result = engine(policy, budgets)
             progress.update()
             for budget in budgets:

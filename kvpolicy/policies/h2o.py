@@ -24,9 +24,9 @@ In the engine, the backend stashes every prompt query of each layer while
 the prompt is read (as it stashes the observation window for SnapKV) and
 compresses at prompt end. In decode the fused attention kernel returns no
 weights, so the backend recomputes the new token's weights over the
-budget-sized cache it just attended (one small matrix-vector product per
-layer and head, ``add_attention``) and the builder schedules an eviction
-pass whenever a page's worth is over budget.
+budget-sized cache it just attended (``new_token_attention``: one batched
+product per layer over every relocated request and head) and the builder
+schedules an eviction pass whenever a page's worth is over budget.
 """
 
 from __future__ import annotations
@@ -72,14 +72,22 @@ def accumulated_attention(keys: torch.Tensor, queries: torch.Tensor) -> torch.Te
     return group_mean(attention_column_sums(keys, queries), keys.shape[0])
 
 
-def add_attention(scores: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """The cache's scores after new tokens attended, [kv_heads, n + t].
+def new_token_attention(keys: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Each sequence's newest token's attention over it, its query heads averaged, [seqs, n] float64.
 
-    ``scores``: [kv_heads, n], before the new tokens; ``keys``: [kv_heads,
-    n + t, D], the new tokens last; ``queries``: [q_heads, t, D], theirs.
+    A sequence is one KV head of one request. ``keys``: [seqs, n, D], the
+    first ``lengths[s]`` valid, the new token's last (zero weight past the
+    length); ``queries``: [seqs, group, D], the new token's query heads.
     """
-    fresh = torch.zeros(scores.shape[0], queries.shape[1], dtype=torch.float64)
-    return torch.cat([scores, fresh], dim=1) + accumulated_attention(keys, queries)
+    logits = queries.float() @ keys.float().transpose(1, 2) / math.sqrt(keys.shape[-1])
+    padding = torch.arange(keys.shape[1]) >= lengths[:, None]
+    return logits.masked_fill_(padding[:, None, :], float("-inf")).softmax(dim=-1).mean(dim=1, dtype=torch.float64)
+
+
+def add_new_token(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Scores [kv_heads, n] after a new token attended with ``weights`` [kv_heads, n + 1]; it starts at its own."""
+    fresh = torch.zeros(scores.shape[0], 1, dtype=torch.float64)
+    return torch.cat([scores, fresh], dim=1) + weights
 
 
 def heavy_hitters(scores: torch.Tensor, budget: int, recent: int, sinks: int = 0) -> torch.Tensor:

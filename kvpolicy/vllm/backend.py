@@ -19,7 +19,7 @@ import torch
 
 from kvpolicy.paging import PageLayout, RequestPages
 from kvpolicy.policies import PromptKV
-from kvpolicy.policies.h2o import add_attention
+from kvpolicy.policies.h2o import add_new_token, new_token_attention
 from kvpolicy.vllm.args import REQUEST_BUDGET_KEY
 from kvpolicy.vllm.internals import (
     CPU_ATTN_MODULE,
@@ -56,8 +56,7 @@ class PerHeadBatch:
     ``head_of[i]``; tokens are ordered by (request, head, position), so each
     virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
     attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
-    virtual-token order). ``requests``: (request id, first batch token, query
-    length) of each relocated request.
+    virtual-token order). ``req_ids``: the relocated requests, in order.
     """
 
     token_idx: torch.Tensor
@@ -65,7 +64,7 @@ class PerHeadBatch:
     head_of: torch.Tensor
     layers: list[AttentionBatch]
     slots: torch.Tensor
-    requests: list[tuple[str, int, int]]
+    req_ids: list[str]
 
 
 @dataclass
@@ -265,7 +264,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             torch.cat(head_of),
             layers,
             torch.from_numpy(np.concatenate(slots, axis=1)),
-            [(req_id, int(qsl[row]), query_len) for row, req_id, _, query_len in rows],
+            [req_id for _, req_id, _, _ in rows],
         )
 
     def _stock_batch(self, rows, qsl, cam) -> AttentionBatch:
@@ -400,17 +399,29 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         out.view(by_kv_head)[per_head.token_of, per_head.head_of] = head_out
 
     def _add_attention(self, isa, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
-        """Add the new tokens' attention weights over each relocated request's cache to its carried scores.
+        """Add each relocated request's new token's attention weights over its cache to its carried scores.
 
         The fused kernel returns no weights; the cache is budget-sized, so
-        recomputing them is a small product per request, layer and head.
+        recomputing them is one small batched product per layer: the keys
+        are read back through the per-head block tables just attended.
         """
-        for req_id, first, count in per_head.requests:
-            pages = WORKER_STATE.requests[req_id]
+        if per_head.token_idx.numel() != len(per_head.req_ids):
+            raise RuntimeError("policies that accumulate attention take one new token per request and step")
+        batch = per_head.layers[layer_idx]
+        num_blocks, heads, block_size, width = kv_cache.shape
+        lengths = batch.seq_lens.long()
+        positions = torch.arange(int(lengths.max()))
+        table = batch.block_table.long().gather(1, (positions // block_size).expand(lengths.numel(), -1))
+        slots = table * block_size + positions % block_size
+        layout = page_layout(isa, kv_cache.dtype, block_size, width // 2)
+        keys, _ = layout.gather(kv_cache.view(num_blocks * heads, -1), slots.reshape(-1))
+        by_kv_head = (-1, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
+        queries = query.view(by_kv_head)[per_head.token_of, per_head.head_of]
+        weights = new_token_attention(keys.view(*slots.shape, -1), lengths, queries)
+        for i, req_id in enumerate(per_head.req_ids):
             carried = WORKER_STATE.carried[req_id]
-            keys, _ = self._read(isa, kv_cache, layer_idx, pages, int(pages.lengths[layer_idx, 0]))
-            queries = query[first : first + count].view(count, self.num_heads, self.head_size).transpose(0, 1)
-            carried.scores[layer_idx] = add_attention(carried.scores[layer_idx], keys, queries)
+            rows = weights[i * heads : (i + 1) * heads, : int(lengths[i * heads])]
+            carried.scores[layer_idx] = add_new_token(carried.scores[layer_idx], rows)
 
     def _relocate(self, layer, query, kv_cache, relocations: list[Relocation]) -> None:
         """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps.

@@ -11,7 +11,7 @@ import torch
 
 from kvpolicy.policies import POLICIES, PromptKV, make_policy
 from kvpolicy.policies.d2o import D2O, layer_budgets, merge_evicted, prompt_attention_variance
-from kvpolicy.policies.h2o import H2O, add_attention
+from kvpolicy.policies.h2o import H2O, add_new_token, new_token_attention
 from kvpolicy.policies.keydiff import keydiff_block_step
 
 H, G, D, L = 3, 3, 8, 70
@@ -160,20 +160,24 @@ def reference_h2o_generation(keys, queries, prompt_len, budget, recent, block):
     return result
 
 
-def test_add_attention_adds_the_new_tokens_group_mean_weights():
+def test_new_token_attention_is_the_group_mean_softmax_over_each_padded_sequence():
     gen = torch.Generator().manual_seed(0)
-    scores = torch.rand(H, 12, generator=gen, dtype=torch.float64) * 5
     keys = torch.randn(H, 13, D, generator=gen, dtype=torch.float64)
     queries = torch.randn(H * G, 13, D, generator=gen, dtype=torch.float64)
-    got = add_attention(scores, keys, queries[:, 12:])
-    for h in range(H):
-        weights = reference_generation_attention(keys.tolist(), queries.tolist(), h, 12, list(range(13)))
-        expected = [s + w for s, w in zip(scores[h].tolist() + [0.0], weights)]
-        assert got[h].tolist() == pytest.approx(expected, abs=1e-6)
+    lengths = torch.tensor([13, 9, 5])
+    new = queries.view(H, G, 13, D)[torch.arange(H), :, lengths - 1]  # head h's token at position lengths[h] - 1
+    got = new_token_attention(keys, lengths, new)
+    scores = torch.rand(H, 12, generator=gen, dtype=torch.float64)
+    for h, n in enumerate(lengths.tolist()):
+        weights = reference_generation_attention(keys.tolist(), queries.tolist(), h, n - 1, list(range(n)))
+        assert got[h, :n].tolist() == pytest.approx(weights, abs=1e-6)
+        assert got[h, n:].tolist() == [0.0] * (13 - n)
+    added = add_new_token(scores, got)
+    assert torch.equal(added, torch.cat([scores, torch.zeros(H, 1, dtype=torch.float64)], dim=1) + got)
 
 
 def test_h2o_generation_in_the_engine_order_equals_the_reference(prompt):
-    """The engine's decode: add_attention every step, compress with the carried scores once a page's worth is over."""
+    """The engine's decode: each new token's weights added, compress with the carried scores once a page's worth is over."""
     prompt_len, budget, block = 40, 16, 8
     policy = H2O(recent_tokens=4)
     first = policy.compress(PromptKV(prompt.keys[:, :prompt_len], queries=prompt.queries[:, :prompt_len]), budget)
@@ -181,7 +185,9 @@ def test_h2o_generation_in_the_engine_order_equals_the_reference(prompt):
     for t in range(prompt_len, L):
         kept = torch.cat([kept, torch.full((H, 1), t)], dim=1)
         cache_keys = prompt.keys.gather(1, kept[..., None].expand(-1, -1, D))
-        scores = add_attention(scores, cache_keys, prompt.queries[:, t : t + 1])
+        new_queries = prompt.queries[:, t].view(H, G, D)
+        weights = new_token_attention(cache_keys, torch.full((H,), kept.shape[1]), new_queries)
+        scores = add_new_token(scores, weights)
         if kept.shape[1] >= budget + block:
             result = policy.compress(PromptKV(cache_keys, scores=scores), budget)
             kept, scores, passes = kept.gather(1, torch.stack(result.kept)), result.scores, passes + 1
