@@ -58,6 +58,16 @@ class PageLayout:
         flat = pages.reshape(-1)
         return flat[self._element_index(slots, self.k_offsets)], flat[self._element_index(slots, self.v_offsets)]
 
+    def page_keys(self, pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        """Keys of whole pages, [*page_ids.shape[:-1], page_ids.shape[-1] * block_size, head_size].
+
+        ``page_ids``: [..., p] pages read in order as one sequence of tokens.
+        Copies the pages, then picks K out of each: cheaper than per-token
+        gathers when every token of the pages is wanted.
+        """
+        picked = pages.reshape(-1, self.page_elems)[page_ids][..., self.k_offsets.reshape(-1)]
+        return picked.view(*page_ids.shape[:-1], -1, self.head_size)
+
     def scatter(self, pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V rows [n, head_size] at ``slots``, in place."""
         flat = pages.view(-1)

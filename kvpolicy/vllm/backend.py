@@ -410,14 +410,12 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         batch = per_head.layers[layer_idx]
         num_blocks, heads, block_size, width = kv_cache.shape
         lengths = batch.seq_lens.long()
-        positions = torch.arange(int(lengths.max()))
-        table = batch.block_table.long().gather(1, (positions // block_size).expand(lengths.numel(), -1))
-        slots = table * block_size + positions % block_size
+        table = batch.block_table.long()[:, : -(-int(lengths.max()) // block_size)]
         layout = page_layout(isa, kv_cache.dtype, block_size, width // 2)
-        keys, _ = layout.gather(kv_cache.view(num_blocks * heads, -1), slots.reshape(-1))
+        keys = layout.page_keys(kv_cache, table)
         by_kv_head = (-1, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
         queries = query.view(by_kv_head)[per_head.token_of, per_head.head_of]
-        weights = new_token_attention(keys.view(*slots.shape, -1), lengths, queries)
+        weights = new_token_attention(keys, lengths, queries)
         for i, req_id in enumerate(per_head.req_ids):
             carried = WORKER_STATE.carried[req_id]
             rows = weights[i * heads : (i + 1) * heads, : int(lengths[i * heads])]

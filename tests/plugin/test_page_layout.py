@@ -9,7 +9,7 @@ from kvpolicy.vllm.internals import CPU_ATTN_MODULE, ops
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 128])
-def test_gather_reads_what_reshape_and_cache_wrote(dtype, head_size):
+def test_gather_and_page_keys_read_what_reshape_and_cache_wrote(dtype, head_size):
     import importlib
 
     block_size, heads, blocks = 128, 3, 4
@@ -24,3 +24,8 @@ def test_gather_reads_what_reshape_and_cache_wrote(dtype, head_size):
     layout = page_layout(isa, dtype, block_size, head_size)
     got_k, got_v = layout.gather(cache.view(blocks * heads, -1), slots)
     assert torch.equal(got_k, k[:, 0]) and torch.equal(got_v, v[:, 0])
+    pages = torch.tensor([[5, 2], [0, 11]])
+    every = (pages[..., None] * block_size + torch.arange(block_size)).reshape(2, -1)
+    whole = layout.page_keys(cache, pages)
+    assert whole.shape == (2, 2 * block_size, head_size)
+    assert torch.equal(whole, layout.gather(cache.view(blocks * heads, -1), every.reshape(-1))[0].view(2, -1, head_size))
