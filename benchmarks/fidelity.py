@@ -1,6 +1,6 @@
 """Quality against the full cache, through the real engine: fidelity and passkey retrieval, policies x budgets.
 
-    python benchmarks/fidelity.py --quick   # ~10 min here: 4 prompts, budget 256, 3 passkey depths
+    python benchmarks/fidelity.py --quick   # 4 prompts, budget 256, 3 passkey depths: ~2 min per engine here
     python benchmarks/fidelity.py           # 20 prompts of 2K-4K tokens, budgets 128/256/512, 5 depths
 
 Fidelity: stock vLLM (the full cache) greedily continues each haystack
@@ -19,13 +19,16 @@ the first 12 generated tokens. The full cache is measured the same way.
 
 One engine per policy (budgets are per request, through ``kv_budget`` in the
 request's ``extra_args``), each in its own process, prompts read in chunks of
-``PREFILL_CHUNK`` tokens (keydiff evicts after each). Writes
-``benchmarks/results/fidelity.json``, a markdown table and ``fidelity.png``.
+``PREFILL_CHUNK`` tokens (keydiff evicts after each). Each engine's results
+wait in ``<out>.work/`` until the table is written, so an interrupted run
+resumes where it stopped. Writes ``benchmarks/results/fidelity.json``, a
+markdown table and ``fidelity.png`` (quick mode: ``fidelity_quick.*``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -198,7 +201,7 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=None, help="default: all (quick: without the ablations)")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 4, full 20)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "fidelity.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/fidelity.json (quick: fidelity_quick.json)")
     parser.add_argument("--run-one", nargs=3, metavar=("TASKS", "POLICY", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--run-budgets", nargs="+", type=int, default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -214,6 +217,7 @@ def main() -> int:
 
     from kvpolicy.model import prepare
 
+    out = args.out or RESULTS_DIR / ("fidelity_quick.json" if args.quick else "fidelity.json")
     policies = args.policies or (POLICIES if args.quick else POLICIES + ABLATIONS)
     count = args.prompts or (4 if args.quick else 20)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
@@ -222,13 +226,17 @@ def main() -> int:
     lengths = [round(2048 + i * (4000 - 2048) / max(count - 1, 1)) for i in range(count)]
     tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths)}
 
-    work = args.out.with_suffix(".work")
+    work = out.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
     tasks_path = work / "tasks.json"
 
     def engine(policy: str, run_budgets: list[int]) -> dict:
+        """One engine's results; kept in ``work`` under a digest of its inputs, so a rerun resumes."""
+        inputs = json.dumps([tasks, policy, run_budgets], sort_keys=True)
+        out = work / f"{policy}-{hashlib.sha256(inputs.encode()).hexdigest()[:12]}.json"
+        if out.exists():
+            return json.loads(out.read_text())
         tasks_path.write_text(json.dumps(tasks))
-        out = work / f"{policy}.json"
         cmd = [sys.executable, __file__, "--run-one", str(tasks_path), policy, str(out)]
         proc = subprocess.run(cmd + ["--run-budgets", *map(str, run_budgets)] if run_budgets else cmd,
                               capture_output=True, text=True)
@@ -259,7 +267,7 @@ def main() -> int:
         "prompt_lens": lengths, "continuation": CONTINUATION, "top_logprobs": TOP_LOGPROBS,
         "passkey_len": PASSKEY_LEN, "passkey_depths": depths, "prefill_chunk": PREFILL_CHUNK, "quick": args.quick,
     }
-    write_results(args.out, settings, rows, COLUMNS, plot)
+    write_results(out, settings, rows, COLUMNS, plot)
     return 0
 
 

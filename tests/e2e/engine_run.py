@@ -6,8 +6,18 @@
 
 ``--capture`` also saves, beside the JSON, what the policy saw and chose for
 the longest prompt at a few layers (``<out>.captured.pt``): real tensors for
-the reference tests. It runs the engine core in this process to reach the
-worker's policy.
+the reference tests.
+
+Deterministic on purpose, so runs compare bit for bit: the engine core runs
+in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so every request is
+queued before the first step and the batches do not depend on timing (with
+a separate core process, a loaded machine changed them); and on one OpenMP
+thread, what vLLM's own binding gives a worker on a 2-core machine. With more
+threads the CPU attention kernel splits a call's work by the whole call's
+KV length, so the stock rows' own call (the relocated rows attend apart)
+may tile a prompt differently from stock vLLM's full-batch call: the same
+result up to float rounding, not bitwise. In-process also lets
+``--capture`` reach the worker's policy.
 
 Prompts of different lengths with chunked prefill on and a small token budget
 per step, so long prompts are read over several steps while short ones
@@ -80,8 +90,8 @@ def main() -> int:
     else:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
-    if args.capture:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["OMP_NUM_THREADS"] = "1"
     if args.stock:
         os.environ["VLLM_PLUGINS"] = ""
     else:

@@ -1,8 +1,9 @@
-"""``--kv-policy none`` and ``identity`` are bitwise identical to stock vLLM (split-KV off).
+"""``--kv-policy none`` and ``identity`` are bitwise identical to stock vLLM (split-KV off, one attention thread).
 
 Each engine runs in its own process (``engine_run.py``) on the same mixed
 batch: six prompts of 40 to 1100 tokens, chunked prefill at 256 tokens per
 step, so relocated requests decode beside stock prefills in one step.
+``engine_run.py`` says why one thread, in-process.
 """
 
 import pytest
