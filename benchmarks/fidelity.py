@@ -233,16 +233,16 @@ def main() -> int:
     def engine(policy: str, run_budgets: list[int]) -> dict:
         """One engine's results; kept in ``work`` under a digest of its inputs, so a rerun resumes."""
         inputs = json.dumps([tasks, policy, run_budgets], sort_keys=True)
-        out = work / f"{policy}-{hashlib.sha256(inputs.encode()).hexdigest()[:12]}.json"
-        if out.exists():
-            return json.loads(out.read_text())
+        cached = work / f"{policy}-{hashlib.sha256(inputs.encode()).hexdigest()[:12]}.json"
+        if cached.exists():
+            return json.loads(cached.read_text())
         tasks_path.write_text(json.dumps(tasks))
-        cmd = [sys.executable, __file__, "--run-one", str(tasks_path), policy, str(out)]
+        cmd = [sys.executable, __file__, "--run-one", str(tasks_path), policy, str(cached)]
         proc = subprocess.run(cmd + ["--run-budgets", *map(str, run_budgets)] if run_budgets else cmd,
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        return json.loads(cached.read_text())
 
     rows = []
     with tqdm(total=1 + len(policies), desc="engines", unit="engine") as progress:
