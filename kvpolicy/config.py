@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass, fields
 from kvpolicy.policies import POLICIES, make_policy
 
 
+#: OmniKV defaults for the default model (30 layers), from ``python -m kvpolicy.calibrate`` (docs/policies.md).
+OMNIKV_FILTER_LAYERS = (2, 9, 15)
+OMNIKV_DENSE_LAYERS = 2
+
+
 class KVPolicyConfigError(ValueError):
     """A setting that cannot be served; the message says what to change."""
 
@@ -28,11 +33,14 @@ class KVPolicyConfig:
     sink_tokens: int = 4
     recent_tokens: int = 64
     merge: bool = True
+    filter_layers: tuple[int, ...] = OMNIKV_FILTER_LAYERS
+    dense_layers: int = OMNIKV_DENSE_LAYERS
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
     def __post_init__(self) -> None:
         check_policy_name(self.policy)
+        object.__setattr__(self, "filter_layers", tuple(self.filter_layers))  # a list after JSON
         if self.budget is not None and self.budget <= 0:
             raise KVPolicyConfigError(
                 f"--kv-budget must be a positive number of tokens per KV head, got {self.budget}"
@@ -51,6 +59,12 @@ class KVPolicyConfig:
             )
         if self.sink_tokens < 0 or self.recent_tokens < 0:
             raise KVPolicyConfigError("--kv-sink-tokens and --kv-recent-tokens must be >= 0")
+        if not self.filter_layers or sorted(set(self.filter_layers)) != list(self.filter_layers):
+            raise KVPolicyConfigError(
+                f"--kv-filter-layers must be distinct layer indices in increasing order, got {self.filter_layers}"
+            )
+        if self.dense_layers < 0:
+            raise KVPolicyConfigError(f"--kv-dense-layers must be >= 0, got {self.dense_layers}")
         policy = POLICIES[self.policy]
         if not self.merge and "merge" not in {f.name for f in fields(policy)}:
             raise KVPolicyConfigError(f"--kv-merge false applies to d2o, not to --kv-policy {self.policy}")
@@ -64,8 +78,22 @@ class KVPolicyConfig:
 
     @property
     def compresses(self) -> bool:
-        """Whether requests leave vLLM's stock layout (anything but ``none``)."""
+        """Whether requests leave vLLM's stock layout (anything but ``none`` and ``omnikv``)."""
         return POLICIES[self.policy].relocates
+
+    @property
+    def changes_attention(self) -> bool:
+        """Whether some request attends to anything but vLLM's stock cache (anything but ``none``)."""
+        return self.compresses or POLICIES[self.policy].selects_context
+
+    def sparse_budget(self, context_len: int, num_layers: int, override: int | None = None) -> int:
+        """OmniKV: tokens a sparse layer attends to at this context length (``--kv-ratio`` is Mem%)."""
+        if override is not None or self.budget is not None:
+            return override if override is not None else self.budget
+        try:
+            return self.make_policy().sparse_budget(self.ratio, context_len, num_layers)
+        except ValueError as exc:
+            raise KVPolicyConfigError(str(exc)) from None
 
     def budget_for(self, prompt_len: int, override: int | None = None) -> int | None:
         """Tokens per KV head kept from a prompt of ``prompt_len``; None keeps the prompt whole.
@@ -86,7 +114,7 @@ class KVPolicyConfig:
 
     def check_request_budget(self, value, max_model_len: int) -> int:
         """A per-request ``kv_budget`` (``vllm_xargs``): an int in (window, max_model_len]."""
-        if not self.compresses or not POLICIES[self.policy].needs_budget:
+        if not self.changes_attention or not POLICIES[self.policy].needs_budget:
             raise KVPolicyConfigError(
                 f"kv_budget applies to compressing policies; this server runs --kv-policy {self.policy}"
             )

@@ -82,6 +82,8 @@ class Policy:
     head of a layer. ``accumulates_attention``: in decode, each new token's
     attention weights over the cache are added to the cached tokens'
     ``scores`` (the backend computes them beside the fused kernel).
+    ``selects_context``: nothing is relocated; in decode, some layers attend
+    only to the pages other layers selected (OmniKV).
     """
 
     name: ClassVar[str]
@@ -93,6 +95,7 @@ class Policy:
     evicts_while_reading: ClassVar[bool] = False
     evicts_in_decode: ClassVar[bool] = False
     accumulates_attention: ClassVar[bool] = False
+    selects_context: ClassVar[bool] = False
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""

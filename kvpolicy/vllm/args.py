@@ -66,6 +66,13 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,8,18; got {text!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         ARG_GROUP, description="KV-cache compression inside vLLM's paged attention (kvpolicy)."
@@ -80,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("sink_tokens", int, defaults.sink_tokens, "attention-sink tokens always kept"),
         ("recent_tokens", int, defaults.recent_tokens, "most recent tokens always kept"),
         ("merge", _boolean, defaults.merge, "d2o: merge evicted tokens into their nearest kept ones (false: evict only)"),
+        ("filter_layers", _layer_list, None,
+         "omnikv: layers that select the context of the layers after them, e.g. 2,8,18 "
+         f"(default {','.join(map(str, defaults.filter_layers))}: calibrated for SmolLM2-135M)"),
+        ("dense_layers", int, None, f"omnikv: layers below this always attend to everything (default {defaults.dense_layers})"),
     ]
     for name, convert, default, help_text in options:
         group.add_argument(
@@ -136,10 +147,10 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
             raise KVPolicyConfigError(f"--kv-policy {config.policy} does not support speculative decoding")
         if POLICIES[config.policy].evicts_while_reading:
             engine_args.scheduler_reserve_full_isl = False  # admitted by what it holds (kvpolicy/vllm/admission.py)
-        if engine_args.kv_cache_dtype not in ("auto", None):
-            raise KVPolicyConfigError(
-                f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype"
-            )
+    if config.changes_attention and engine_args.kv_cache_dtype not in ("auto", None):
+        raise KVPolicyConfigError(
+            f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype"
+        )
     # Our connector moves no KV between hosts: keep vLLM's stock core reservation
     # (one per local rank) instead of the extra core it reserves for any connector.
     ranks = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
@@ -158,7 +169,7 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
     """Shapes and features the per-head backend cannot serve, refused before the model loads."""
     model_config = vllm_config.model_config
     config.check_model_len(model_config.max_model_len)
-    if not config.compresses:
+    if not config.changes_attention:
         return
     head_size = model_config.get_head_size()
     if head_size not in SUPPORTED_HEAD_SIZES:
@@ -175,6 +186,14 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
         )
     if not model_config.is_attention_free and model_config.is_hybrid:
         raise KVPolicyConfigError(f"{model_config.model} is a hybrid model; use --kv-policy none")
+    if POLICIES[config.policy].selects_context:
+        num_layers = model_config.get_num_layers(vllm_config.parallel_config)
+        try:
+            config.make_policy().source_layers(num_layers)
+        except ValueError as exc:
+            raise KVPolicyConfigError(f"{exc}; run `python -m kvpolicy.calibrate --model {model_config.model}`") from None
+        if config.ratio is not None:
+            config.sparse_budget(model_config.max_model_len, num_layers)
 
 
 def patch_engine_args() -> None:

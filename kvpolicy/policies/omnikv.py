@@ -1,0 +1,130 @@
+"""OmniKV: a few filter layers choose, at each decode step, the context the layers after them attend to.
+
+Nothing is dropped. Layers below ``dense_layers`` (the paper's L0), each
+filter layer and the layer right after it attend to the whole context
+(eq. 2); every other layer attends only to what the last filter layer before
+it selected this step (eq. 1).
+
+Readings we chose where the paper leaves room:
+
+- Selection is at page granularity, because a paged cache is addressed by
+  pages: eq. (4)'s token scores are summed per page (a page's share of the
+  attention mass the selector saw, which is what a sparse layer loses when
+  the page is left out), and the best ``ceil(k / page_size)`` pages are kept.
+  The page holding the current token is always among them (the token attends
+  to itself; that page is still filling). Token-level top-k would scatter
+  ``k`` tokens over up to ``k`` pages; pages keep the attended count at ``k``
+  rounded up to a page, at the price of recall inside each page.
+- Query-key products run in the cache's precision (the keys are the bulk:
+  the whole context); softmax and sums in float64.
+- Budget as Mem% (paper §5): the dense layers hold everything, so the sparse
+  layers get ``(mem - f) / (1 - f)`` of the context, ``f = (2|L| + L0) / L``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvpolicy.policies.base import Policy
+
+SELECTORS = ("last", "uniform", "exponential")
+
+
+def selector_weights(selector: str, window: int) -> torch.Tensor:
+    """The window weights alpha of §4.2, oldest query first, float64."""
+    if selector == "last":
+        weights = torch.zeros(window, dtype=torch.float64)
+        weights[-1] = 1.0
+        return weights
+    if selector == "uniform":
+        return torch.ones(window, dtype=torch.float64)
+    if selector == "exponential":
+        return 2.0 ** (torch.arange(window, dtype=torch.float64) - window)
+    raise ValueError(f"unknown OmniKV selector {selector!r}; choose one of {', '.join(SELECTORS)}")
+
+
+def context_scores(queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor, selector: str = "last") -> torch.Tensor:
+    """Eq. (3)-(4) for a batch of sequences: [batch, n] scores, 0 past each sequence's length.
+
+    ``queries``: [batch, q_heads, window, D], the last ``window`` tokens of each
+    sequence (query head q belongs to KV head ``q // (q_heads // kv_heads)``);
+    ``keys``: [batch, kv_heads, n, D], each sequence's keys in position order,
+    valid up to ``lengths`` [batch]. Window queries are causal: the query at
+    position p sees keys up to p.
+    """
+    batch, q_heads, window, dim = queries.shape
+    kv_heads, width = keys.shape[1], keys.shape[2]
+    grouped = queries.view(batch, kv_heads, q_heads // kv_heads * window, dim).to(keys.dtype)
+    logits = (grouped @ keys.transpose(-1, -2)).view(batch, q_heads, window, width).double() / math.sqrt(dim)
+    query_pos = lengths[:, None] - window + torch.arange(window)[None, :]
+    hidden = torch.arange(width)[None, None, :] > query_pos[:, :, None]
+    weights = logits.masked_fill(hidden[:, None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("w,bwn->bn", selector_weights(selector, window), weights.amax(dim=1))
+
+
+def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, budgets: list[int]) -> list[torch.Tensor]:
+    """Per sequence, the page indices its sparse layers attend to, ascending.
+
+    ``scores``: [batch, n] token scores (0 past ``lengths``). The best
+    ``ceil(budget / page_size)`` pages by summed score, always including the
+    last (current) page; every page when they are not more than that.
+    """
+    pages = scores.new_zeros(scores.shape[0], -(-scores.shape[1] // page_size) * page_size)
+    pages[:, : scores.shape[1]] = scores
+    page_scores = pages.view(scores.shape[0], -1, page_size).sum(dim=-1)
+    chosen = []
+    for row, (length, budget) in enumerate(zip(lengths.tolist(), budgets)):
+        keep = -(-budget // page_size)
+        num_pages = -(-length // page_size)
+        if num_pages <= keep:
+            chosen.append(torch.arange(num_pages))
+            continue
+        best = page_scores[row, : num_pages - 1].topk(keep - 1).indices
+        chosen.append(torch.cat([best.sort().values, torch.tensor([num_pages - 1])]))
+    return chosen
+
+
+@dataclass(frozen=True)
+class OmniKV(Policy):
+    """``omnikv``: sparse decode attention behind filter layers; the cache stays whole.
+
+    ``filter_layers``: the layers whose last-token attention selects the
+    context (``python -m kvpolicy.calibrate`` proposes them). ``dense_layers``:
+    layers below it always attend to everything.
+    """
+
+    name = "omnikv"
+    relocates = False
+    selects_context = True
+    filter_layers: tuple[int, ...] = ()
+    dense_layers: int = 0
+
+    def source_layers(self, num_layers: int) -> list[int | None]:
+        """Per layer: the filter layer whose selection it attends to, or None for full attention."""
+        if not self.filter_layers:
+            raise ValueError("omnikv needs filter layers (--kv-filter-layers)")
+        bad = [f for f in self.filter_layers if not self.dense_layers <= f < num_layers]
+        if bad:
+            raise ValueError(
+                f"--kv-filter-layers {bad} out of range: filter layers must be in "
+                f"[--kv-dense-layers {self.dense_layers}, {num_layers - 1}] for this {num_layers}-layer model"
+            )
+        sources: list[int | None] = []
+        for layer in range(num_layers):
+            before = [f for f in self.filter_layers if f < layer - 1]
+            dense = layer < self.dense_layers or layer in self.filter_layers or layer - 1 in self.filter_layers
+            sources.append(None if dense or not before else max(before))
+        return sources
+
+    def sparse_budget(self, mem: float, context_len: int, num_layers: int) -> int:
+        """Tokens a sparse layer attends to so that the cache read is ``mem`` of the whole (paper §5)."""
+        dense = (2 * len(self.filter_layers) + self.dense_layers) / num_layers
+        if mem <= dense:
+            raise ValueError(
+                f"Mem% {mem:.0%} is below what the full-attention layers alone read ({dense:.0%}); "
+                "raise --kv-ratio or use fewer filter/dense layers"
+            )
+        return max(1, math.ceil((mem - dense) / (1 - dense) * context_len))
