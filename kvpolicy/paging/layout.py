@@ -62,10 +62,11 @@ class PageLayout:
         """Keys of whole pages, [*page_ids.shape[:-1], page_ids.shape[-1] * block_size, head_size].
 
         ``page_ids``: [..., p] pages read in order as one sequence of tokens.
-        Copies the pages, then picks K out of each: cheaper than per-token
-        gathers when every token of the pages is wanted.
+        Copies the K part of the pages, then picks K out of each: cheaper than
+        per-token gathers when every token of the pages is wanted.
         """
-        picked = pages.reshape(-1, self.page_elems)[page_ids][..., self.k_offsets.reshape(-1)]
+        low, high = int(self.k_offsets.min()), int(self.k_offsets.max()) + 1
+        picked = pages.reshape(-1, self.page_elems)[:, low:high][page_ids][..., self.k_offsets.reshape(-1) - low]
         return picked.view(*page_ids.shape[:-1], -1, self.head_size)
 
     def scatter(self, pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

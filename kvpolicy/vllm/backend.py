@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 from kvpolicy.paging import PageLayout, RequestPages
 from kvpolicy.policies import PromptKV
 from kvpolicy.policies.h2o import add_new_token, new_token_attention
+from kvpolicy.policies.omnikv import context_scores, select_pages
 from kvpolicy.vllm.args import REQUEST_BUDGET_KEY
 from kvpolicy.vllm.internals import (
     CPU_ATTN_MODULE,
@@ -97,13 +99,35 @@ class WindowStash:
 
 
 @dataclass
+class ContextSelection:
+    """OmniKV's decode rows of a step: filter layers select their pages, the layers after them attend to those.
+
+    ``token_idx``: the rows' query tokens (one each); ``seq_lens`` and
+    ``block_table``: their whole context in vLLM's blocks; ``budgets``: tokens
+    a sparse layer attends to, per row. ``sources[l]``: the filter layer whose
+    selection layer ``l`` attends to (None: full attention). ``selected``
+    fills as the step runs: filter layer -> the sparse layers' call.
+    ``schedule``: scheduler metadata for a call over these rows.
+    """
+
+    token_idx: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    budgets: list[int]
+    sources: list[int | None]
+    schedule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    selected: dict[int, AttentionBatch] = field(default_factory=dict)
+
+
+@dataclass
 class KVPolicyMetadata(CPUAttentionMetadata):
-    """Stock metadata plus the per-head part; ``stock`` is the stock rows' own call."""
+    """Stock metadata plus the per-head or context-selection part; ``stock`` is the other rows' own call."""
 
     stock: AttentionBatch | None = None
     per_head: PerHeadBatch | None = None
     relocations: list[Relocation] = field(default_factory=list)
     window_stash: list[WindowStash] = field(default_factory=list)
+    context: ContextSelection | None = None
 
 
 class KVPolicyCPUBackend(CPUAttentionBackend):
@@ -124,7 +148,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.queries_per_kv = self.num_heads // self.num_kv_heads
 
-    def _scheduler_metadata(self, seq_lens, query_start_loc, num_heads, num_kv_heads):
+    def _scheduler_metadata(self, seq_lens, query_start_loc, *, num_heads, num_kv_heads):
         return ops.cpu_attn_get_scheduler_metadata(
             num_reqs=seq_lens.numel(),
             num_heads=num_heads,
@@ -142,7 +166,11 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if not WORKER_STATE.relocates or self.is_cross_attention or self.is_encoder_only_attention:
+        if self.is_cross_attention or self.is_encoder_only_attention:
+            return metadata
+        if WORKER_STATE.selects_context:
+            return self._with_context_selection(metadata, common_attn_metadata)
+        if not WORKER_STATE.relocates:
             return metadata
         cam = common_attn_metadata
         runner = WORKER_STATE.runner
@@ -200,6 +228,43 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             metadata.stock = self._stock_batch(stock_rows, qsl, cam)
         return metadata
 
+    def _with_context_selection(self, metadata, cam):
+        """OmniKV: decode rows whose context is over their budget attend sparsely in the sparse layers."""
+        runner = WORKER_STATE.runner
+        config = WORKER_STATE.config
+        num_reqs = cam.num_reqs
+        qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy()
+        seq_lens = cam.seq_lens[:num_reqs].cpu().numpy()
+        rows, budgets = [], []
+        for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
+            request = runner.requests[req_id]
+            seq_len = int(seq_lens[row])
+            one_query = qsl[row + 1] - qsl[row] == 1
+            if not one_query or seq_len <= request.num_prompt_tokens or seq_len < request.num_tokens:
+                continue  # prompt (or recompute) chunks: full attention
+            override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
+            budget = config.sparse_budget(seq_len, self.num_layers, override)
+            if budget < seq_len:
+                rows.append(row)
+                budgets.append(budget)
+        if not rows:
+            return metadata
+        if not hasattr(self, "_sources"):
+            self._sources = WORKER_STATE.policy.source_layers(self.num_layers)
+        row_idx = torch.tensor(rows, dtype=torch.int64)
+        context = ContextSelection(
+            token_idx=torch.from_numpy(qsl[rows].astype(np.int64)),
+            seq_lens=cam.seq_lens[row_idx],
+            block_table=cam.block_table_tensor[row_idx],
+            budgets=budgets,
+            sources=self._sources,
+            schedule=functools.partial(
+                self._scheduler_metadata, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads
+            ),
+        )
+        stock_rows = sorted(set(range(num_reqs)) - set(rows))
+        return KVPolicyMetadata(**vars(metadata), context=context, stock=self._stock_batch(stock_rows, qsl, cam))
+
     @staticmethod
     def _relocation(req_id, pages, num_tokens, num_computed, budget, prompt_done, window_idx=None) -> Relocation:
         WORKER_STATE.relocated_this_step[req_id] = prompt_done
@@ -253,7 +318,9 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             seq_lens = torch.from_numpy(lengths[layer].reshape(-1).astype(np.int32))
             key = seq_lens.numpy().tobytes()
             if key not in by_lengths:
-                by_lengths[key] = self._scheduler_metadata(seq_lens, query_start_loc, self.queries_per_kv, 1)
+                by_lengths[key] = self._scheduler_metadata(
+                    seq_lens, query_start_loc, num_heads=self.queries_per_kv, num_kv_heads=1
+                )
             table = np.concatenate([pages.block_table(layer, width) for _, _, pages, _ in rows])
             layers.append(
                 AttentionBatch(token_idx, query_start_loc, seq_lens, torch.from_numpy(table), by_lengths[key])
@@ -281,7 +348,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             query_start_loc,
             seq_lens,
             cam.block_table_tensor[row_idx],
-            self._scheduler_metadata(seq_lens, query_start_loc, self.num_heads, self.num_kv_heads),
+            self._scheduler_metadata(seq_lens, query_start_loc, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads),
         )
 
 
@@ -367,6 +434,8 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         )
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+        if isinstance(attn_metadata, KVPolicyMetadata) and attn_metadata.context is not None:
+            return self._forward_selecting(layer, query, key, value, kv_cache, attn_metadata, output)
         if not isinstance(attn_metadata, KVPolicyMetadata) or attn_metadata.per_head is None:
             output = super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
@@ -397,6 +466,45 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         head_out = torch.empty_like(head_query)
         self._attend(layer, head_query, head_out, *self._split(kv_cache, one_head=True), batch)
         out.view(by_kv_head)[per_head.token_of, per_head.head_of] = head_out
+
+    def _forward_selecting(self, layer, query, key, value, kv_cache, metadata: KVPolicyMetadata, output):
+        """OmniKV: full attention, then a selection in filter layers; sparse layers attend to the selection."""
+        context = metadata.context
+        layer_idx = extract_layer_index(layer.layer_name)
+        source = context.sources[layer_idx]
+        if source is None:
+            output = super().forward(layer, query, key, value, kv_cache, metadata, output)
+            if layer_idx in WORKER_STATE.policy.filter_layers:
+                context.selected[layer_idx] = self._select(layer.isa, query, kv_cache, context)
+            return output
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        caches = self._split(kv_cache, one_head=False)
+        for batch in (metadata.stock, context.selected[source]):
+            if batch.token_idx.numel():
+                batch_out = torch.empty_like(query[batch.token_idx])
+                self._attend(layer, query[batch.token_idx], batch_out, *caches, batch)
+                out[batch.token_idx] = batch_out
+        return output
+
+    def _select(self, isa, query, kv_cache, context: ContextSelection) -> AttentionBatch:
+        """Score each decode row's context with its last token (eq. 3-4) and build the sparse call over its pages."""
+        num_blocks, heads, block_size, width = kv_cache.shape
+        lengths = context.seq_lens.long()
+        num_pages = -(-lengths // block_size)
+        table = context.block_table.long()[:, : int(num_pages.max())]
+        page_ids = table[:, None, :] * heads + torch.arange(heads)[None, :, None]
+        keys = page_layout(isa, kv_cache.dtype, block_size, width // 2).page_keys(kv_cache, page_ids)
+        queries = query[context.token_idx].view(-1, self.num_heads, 1, self.head_size)
+        chosen = select_pages(context_scores(queries, keys, lengths), lengths, block_size, context.budgets)
+        block_table = torch.zeros(len(chosen), max(c.numel() for c in chosen), dtype=context.block_table.dtype)
+        for row, pages in enumerate(chosen):
+            block_table[row, : pages.numel()] = table[row, pages].to(block_table.dtype)
+        seq_lens = torch.stack([len(c) * block_size - (n * block_size - l) for c, n, l in zip(chosen, num_pages, lengths)])
+        seq_lens = seq_lens.to(context.seq_lens.dtype)
+        query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
+        WORKER_STATE.counters["context_pages"] += int(num_pages.sum())
+        WORKER_STATE.counters["selected_pages"] += sum(c.numel() for c in chosen)
+        return AttentionBatch(context.token_idx, query_start_loc, seq_lens, block_table, context.schedule(seq_lens, query_start_loc))
 
     def _add_attention(self, isa, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
         """Add each relocated request's new token's attention weights over its cache to its carried scores.

@@ -62,6 +62,14 @@ COUNTERS = {
         "vllm:kvpolicy_ideal_kv_pages",
         "Kept tokens / block size: the pages a perfect allocator would hold; ideal / held is memory efficiency.",
     ),
+    "context_pages": (
+        "vllm:kvpolicy_context_pages",
+        "omnikv: context pages of decode rows at each filter-layer selection (what full attention would read).",
+    ),
+    "selected_pages": (
+        "vllm:kvpolicy_selected_pages",
+        "omnikv: of those, the pages selected for the sparse layers; selected / context is the fraction they read.",
+    ),
 }
 
 #: stats key -> (Prometheus name, help): the largest value seen, not a sum

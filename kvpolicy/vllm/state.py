@@ -58,6 +58,10 @@ class WorkerState:
     def relocates(self) -> bool:
         return self.policy is not None and self.policy.relocates and self.runner is not None
 
+    @property
+    def selects_context(self) -> bool:
+        return self.policy is not None and self.policy.selects_context and self.runner is not None
+
     def stash_window(self, req_id: str, layer: int, queries: torch.Tensor) -> None:
         self.window_queries.setdefault(req_id, {}).setdefault(layer, []).append(queries)
 

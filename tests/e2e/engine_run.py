@@ -82,6 +82,7 @@ def main() -> int:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=PROMPT_LENS)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens")
+    parser.add_argument("--filter-layers", default=None, help="omnikv: comma-separated filter layers")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -102,6 +103,8 @@ def main() -> int:
     kwargs = {} if args.stock else {"kv_policy": args.policy, "kv_budget": args.budget}
     if args.pool_mib:
         kwargs["kv_cache_memory_bytes"] = args.pool_mib << 20
+    if args.filter_layers:
+        kwargs["kv_filter_layers"] = tuple(int(layer) for layer in args.filter_layers.split(","))
     llm = LLM(
         args.model,
         dtype="float32",

@@ -1,0 +1,35 @@
+"""OmniKV in the real engine: with every page selected it is stock vLLM bit for bit; with a small budget
+the sparse layers really read fewer pages; a filter layer the model lacks is refused at startup."""
+
+from tests.e2e.engine_run import PROMPT_LENS
+
+#: Below the longest request (1100 prompt + 24 output tokens), so its decode takes the sparse path, yet
+#: ceil(1025 / 128) = 9 pages: every page it has (block size 128).
+EVERY_PAGE = ("--policy", "omnikv", "--budget", "1025")
+
+
+def test_selecting_every_page_is_bitwise_identical_to_stock(engine_run):
+    stock, ours = engine_run("--stock"), engine_run(*EVERY_PAGE)
+    counters = ours["counters"]
+    assert counters["context_pages"] > 0, "the longest request decoded on the sparse path"
+    assert counters["selected_pages"] == counters["context_pages"]
+    for i, (a, b) in enumerate(zip(stock["requests"], ours["requests"])):
+        assert a == b, f"request {i}: tokens or logprobs differ"
+
+
+def test_a_small_budget_reads_fewer_pages_and_holds_nothing_after(engine_run):
+    run = engine_run("--policy", "omnikv", "--budget", "256")
+    counters = run["counters"]
+    assert 0 < counters["selected_pages"] < counters["context_pages"]
+    assert counters.get("released_blocks", 0) == 0, "omnikv drops nothing"
+    assert run["kv_cache_usage_end"] == 0.0
+    stock = engine_run("--stock")["requests"]
+    for i, n in enumerate(PROMPT_LENS):
+        if n + 24 <= 256:
+            assert run["requests"][i] == stock[i], f"request {i} ({n} tokens) never passed its budget"
+
+
+def test_a_filter_layer_the_model_lacks_is_refused_before_loading(engine_run):
+    stderr = engine_run("--policy", "omnikv", "--budget", "256", "--filter-layers", "2,40", fails=True)
+    assert "--kv-filter-layers [40] out of range" in stderr
+    assert "python -m kvpolicy.calibrate" in stderr
