@@ -58,16 +58,39 @@ class PageLayout:
         flat = pages.reshape(-1)
         return flat[self._element_index(slots, self.k_offsets)], flat[self._element_index(slots, self.v_offsets)]
 
-    def page_keys(self, pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
-        """Keys of whole pages, [*page_ids.shape[:-1], page_ids.shape[-1] * block_size, head_size].
+    def affine_keys(self) -> tuple[int, int, int] | None:
+        """(offset, token stride, dim stride) when K sits at ``offset + t*ts + d*ds`` in a page (the vec ISAs
+        store K transposed: strides 1 and block_size), else None."""
+        k = self.k_offsets
+        start, token_stride, dim_stride = int(k[0, 0]), int(k[-1, 0] - k[0, 0]), int(k[0, -1] - k[0, 0])
+        token_stride //= max(self.block_size - 1, 1)
+        dim_stride //= max(self.head_size - 1, 1)
+        grid = start + torch.arange(self.block_size)[:, None] * token_stride + torch.arange(self.head_size) * dim_stride
+        return (start, token_stride, dim_stride) if torch.equal(grid, k) else None
 
-        ``page_ids``: [..., p] pages read in order as one sequence of tokens.
-        Copies the K part of the pages, then picks K out of each: cheaper than
-        per-token gathers when every token of the pages is wanted.
+    def page_key_blocks(self, pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        """Keys of whole pages, [*page_ids.shape, block_size, head_size].
+
+        ``page_ids``: [..., p]. One copy of the K part of each page; when the
+        writer's K layout is affine the result is a strided view of that copy
+        (no per-element gather), else the elements are picked out.
         """
         low, high = int(self.k_offsets.min()), int(self.k_offsets.max()) + 1
-        picked = pages.reshape(-1, self.page_elems)[:, low:high][page_ids][..., self.k_offsets.reshape(-1) - low]
-        return picked.view(*page_ids.shape[:-1], -1, self.head_size)
+        k_part = pages.reshape(-1, self.page_elems)[:, low:high]
+        picked = k_part.index_select(0, page_ids.reshape(-1)).view(*page_ids.shape, high - low)
+        affine = self.affine_keys()
+        if affine is None:
+            return picked[..., self.k_offsets.reshape(-1) - low].view(*page_ids.shape, self.block_size, self.head_size)
+        start, token_stride, dim_stride = affine
+        return picked.as_strided(
+            (*picked.shape[:-1], self.block_size, self.head_size),
+            (*picked.stride()[:-1], token_stride, dim_stride),
+            picked.storage_offset() + start - low,
+        )
+
+    def page_keys(self, pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        """Keys of whole pages as one sequence of tokens, [*page_ids.shape[:-1], p * block_size, head_size]."""
+        return self.page_key_blocks(pages, page_ids).reshape(*page_ids.shape[:-1], -1, self.head_size)
 
     def scatter(self, pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V rows [n, head_size] at ``slots``, in place."""

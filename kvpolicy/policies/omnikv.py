@@ -51,14 +51,19 @@ def context_scores(queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Ten
 
     ``queries``: [batch, q_heads, window, D], the last ``window`` tokens of each
     sequence (query head q belongs to KV head ``q // (q_heads // kv_heads)``);
-    ``keys``: [batch, kv_heads, n, D], each sequence's keys in position order,
-    valid up to ``lengths`` [batch]. Window queries are causal: the query at
-    position p sees keys up to p.
+    ``keys``: each sequence's keys in position order, valid up to ``lengths``
+    [batch]: [batch, kv_heads, n, D], or [batch, kv_heads, pages, page_size, D]
+    with n = pages * page_size (any strides: a paged cache's keys as they lie).
+    Window queries are causal: the query at position p sees keys up to p.
     """
+    if keys.dim() == 4:
+        keys = keys.unsqueeze(2)
     batch, q_heads, window, dim = queries.shape
-    kv_heads, width = keys.shape[1], keys.shape[2]
-    grouped = queries.view(batch, kv_heads, q_heads // kv_heads * window, dim).to(keys.dtype)
-    logits = (grouped @ keys.transpose(-1, -2)).view(batch, q_heads, window, width).double() / math.sqrt(dim)
+    kv_heads, num_pages, page_size = keys.shape[1:4]
+    width = num_pages * page_size
+    grouped = queries.reshape(batch, kv_heads, 1, q_heads // kv_heads * window, dim).to(keys.dtype)
+    per_page = grouped @ keys.transpose(-1, -2)  # [batch, kv_heads, pages, group * window, page_size]
+    logits = per_page.permute(0, 1, 3, 2, 4).reshape(batch, q_heads, window, width).double() / math.sqrt(dim)
     query_pos = lengths[:, None] - window + torch.arange(window)[None, :]
     hidden = torch.arange(width)[None, None, :] > query_pos[:, :, None]
     weights = logits.masked_fill(hidden[:, None], float("-inf")).softmax(dim=-1)

@@ -228,6 +228,10 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             metadata.stock = self._stock_batch(stock_rows, qsl, cam)
         return metadata
 
+    @functools.cached_property
+    def _source_layers(self) -> list[int | None]:
+        return WORKER_STATE.policy.source_layers(self.num_layers)
+
     def _with_context_selection(self, metadata, cam):
         """OmniKV: decode rows whose context is over their budget attend sparsely in the sparse layers."""
         runner = WORKER_STATE.runner
@@ -249,15 +253,13 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 budgets.append(budget)
         if not rows:
             return metadata
-        if not hasattr(self, "_sources"):
-            self._sources = WORKER_STATE.policy.source_layers(self.num_layers)
         row_idx = torch.tensor(rows, dtype=torch.int64)
         context = ContextSelection(
             token_idx=torch.from_numpy(qsl[rows].astype(np.int64)),
             seq_lens=cam.seq_lens[row_idx],
             block_table=cam.block_table_tensor[row_idx],
             budgets=budgets,
-            sources=self._sources,
+            sources=self._source_layers,
             schedule=functools.partial(
                 self._scheduler_metadata, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads
             ),
@@ -493,7 +495,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         num_pages = -(-lengths // block_size)
         table = context.block_table.long()[:, : int(num_pages.max())]
         page_ids = table[:, None, :] * heads + torch.arange(heads)[None, :, None]
-        keys = page_layout(isa, kv_cache.dtype, block_size, width // 2).page_keys(kv_cache, page_ids)
+        keys = page_layout(isa, kv_cache.dtype, block_size, width // 2).page_key_blocks(kv_cache, page_ids)
         queries = query[context.token_idx].view(-1, self.num_heads, 1, self.head_size)
         chosen = select_pages(context_scores(queries, keys, lengths), lengths, block_size, context.budgets)
         block_table = torch.zeros(len(chosen), max(c.numel() for c in chosen), dtype=context.block_table.dtype)

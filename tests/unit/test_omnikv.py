@@ -104,3 +104,12 @@ def test_mem_percent_budget_matches_the_papers_example():
     assert config.sparse_budget(100_000, 32) == 6667
     with pytest.raises(KVPolicyConfigError, match="below what the full-attention layers"):
         KVPolicyConfig(policy="omnikv", ratio=0.2).sparse_budget(1000, 32)
+
+
+def test_paged_keys_score_like_the_flat_sequence():
+    """Keys given as [pages, page_size] blocks (a strided view, as read from a paged cache) score the same."""
+    torch.manual_seed(2)
+    queries, lengths = torch.randn(2, 6, 1, 16), torch.tensor([40, 64])
+    blocks = torch.randn(2, 2, 4, 16, 16).transpose(-1, -2).contiguous().transpose(-1, -2)  # K stored transposed
+    flat = blocks.reshape(2, 2, 64, 16)
+    torch.testing.assert_close(context_scores(queries, blocks, lengths), context_scores(queries, flat, lengths))

@@ -32,6 +32,21 @@ def test_scatter_then_gather_round_trips_exactly():
     assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
+def test_page_keys_equal_token_gathers_for_affine_and_scrambled_layouts():
+    """The strided view (affine K, as the vec ISAs write it) and the element pick (any layout) read the same keys."""
+    affine = transposed_k_layout()
+    scramble = torch.randperm(BS * D, generator=torch.Generator().manual_seed(0))
+    scrambled = PageLayout(BS, D, affine.k_offsets.reshape(-1)[scramble].view(BS, D), affine.v_offsets)
+    assert affine.affine_keys() == (0, 1, BS) and scrambled.affine_keys() is None
+    page_ids = torch.tensor([[3, 0, 5], [1, 1, 2]])
+    for layout in (affine, scrambled):
+        pages = torch.randn(6, layout.page_elems)
+        slots = (page_ids[..., None] * BS + torch.arange(BS)).reshape(2, -1)
+        expected = torch.stack([layout.gather(pages, row)[0] for row in slots])
+        assert torch.equal(layout.page_keys(pages, page_ids), expected)
+        assert torch.equal(layout.page_key_blocks(pages, page_ids).reshape(2, -1, D), expected)
+
+
 def test_relocate_packs_heads_from_the_first_block():
     pages = RequestPages(num_layers=1, num_heads=H, block_size=BS, blocks=[7, 3, 9])
     keep = [torch.tensor([0, 2, 5]), torch.tensor([1, 3, 4, 6, 8, 10])]
