@@ -32,17 +32,18 @@ import hashlib
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, haystack_prompts, passkey_prompts, write_results  # noqa: E402
 
 #: ``name`` or ``name:option=value``.
-POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"]
+POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
+#: In the quick mode: the policies of the 2026-11-22 quick run (fidelity_quick.json).
+QUICK_POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"]
 #: Also in the full mode: D2O's eviction without its merging, to see what merging buys.
 ABLATIONS = ["d2o:merge=false"]
 CONTINUATION = 64
@@ -157,21 +158,6 @@ def passkey_row(answers: list[str], passkeys: list[dict]) -> dict:
     }
 
 
-def passkey_prompts(tokenizer, depths: list[float]) -> list[dict]:
-    """Haystack prompts of ~PASSKEY_LEN tokens, the key sentence at each depth, the question at the end."""
-    rng = random.Random(0)
-    intro = tokenizer("There is a pass key hidden in the text below. Find it and remember it.\n\n", add_special_tokens=False)["input_ids"]
-    question = tokenizer("\n\nWhat is the pass key? The pass key is", add_special_tokens=False)["input_ids"]
-    items = []
-    for depth in depths:
-        key = str(rng.randrange(10000, 100000))
-        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)["input_ids"]
-        filler = haystack_prompts(tokenizer, [PASSKEY_LEN - len(intro) - len(needle) - len(question)])[0]
-        at = round(depth * len(filler))
-        items.append({"depth": depth, "key": key, "ids": intro + filler[:at] + needle + filler[at:] + question})
-    return items
-
-
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -198,7 +184,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 prompts, budget 256, 3 passkey depths")
-    parser.add_argument("--policies", nargs="+", default=None, help="default: all (quick: without the ablations)")
+    parser.add_argument("--policies", nargs="+", default=None, help="default: all and the ablation (quick: all but omnikv)")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 4, full 20)")
     parser.add_argument("--out", type=Path, default=None, help="default: results/fidelity.json (quick: fidelity_quick.json)")
@@ -218,13 +204,13 @@ def main() -> int:
     from kvpolicy.model import prepare
 
     out = args.out or RESULTS_DIR / ("fidelity_quick.json" if args.quick else "fidelity.json")
-    policies = args.policies or (POLICIES if args.quick else POLICIES + ABLATIONS)
+    policies = args.policies or (QUICK_POLICIES if args.quick else POLICIES + ABLATIONS)
     count = args.prompts or (4 if args.quick else 20)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
     depths = [0.1, 0.5, 0.9] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0]
     tokenizer = AutoTokenizer.from_pretrained(str(prepare()))
     lengths = [round(2048 + i * (4000 - 2048) / max(count - 1, 1)) for i in range(count)]
-    tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths)}
+    tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths, PASSKEY_LEN)}
 
     work = out.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
