@@ -88,8 +88,10 @@ class KVPolicyConfig:
 
     def sparse_budget(self, context_len: int, num_layers: int, override: int | None = None) -> int:
         """OmniKV: tokens a sparse layer attends to at this context length (``--kv-ratio`` is Mem%)."""
-        if override is not None or self.budget is not None:
-            return override if override is not None else self.budget
+        if override is not None:
+            return override
+        if self.budget is not None:
+            return self.budget
         try:
             return self.make_policy().sparse_budget(self.ratio, context_len, num_layers)
         except ValueError as exc:

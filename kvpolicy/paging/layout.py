@@ -9,6 +9,7 @@ writer itself, and moves are exact gathers and scatters.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ class PageLayout:
         flat = pages.reshape(-1)
         return flat[self._element_index(slots, self.k_offsets)], flat[self._element_index(slots, self.v_offsets)]
 
+    @functools.cached_property
     def affine_keys(self) -> tuple[int, int, int] | None:
         """(offset, token stride, dim stride) when K sits at ``offset + t*ts + d*ds`` in a page (the vec ISAs
         store K transposed: strides 1 and block_size), else None."""
@@ -78,7 +80,7 @@ class PageLayout:
         low, high = int(self.k_offsets.min()), int(self.k_offsets.max()) + 1
         k_part = pages.reshape(-1, self.page_elems)[:, low:high]
         picked = k_part.index_select(0, page_ids.reshape(-1)).view(*page_ids.shape, high - low)
-        affine = self.affine_keys()
+        affine = self.affine_keys
         if affine is None:
             return picked[..., self.k_offsets.reshape(-1) - low].view(*page_ids.shape, self.block_size, self.head_size)
         start, token_stride, dim_stride = affine

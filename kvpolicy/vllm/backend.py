@@ -454,13 +454,16 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
                 self._relocate(layer, query, kv_cache, attn_metadata.relocations)
         return output
 
+    def _attend_rows(self, layer, query, out, kv_cache, batch: AttentionBatch) -> None:
+        """One call over a subset of the batch's rows in vLLM's own layout; results written into ``out``."""
+        if batch.token_idx.numel():
+            rows_out = torch.empty_like(query[batch.token_idx])
+            self._attend(layer, query[batch.token_idx], rows_out, *self._split(kv_cache, one_head=False), batch)
+            out[batch.token_idx] = rows_out
+
     def _forward_mixed(self, layer, query, kv_cache, metadata: KVPolicyMetadata, output) -> None:
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        stock = metadata.stock
-        if stock.token_idx.numel():
-            stock_out = torch.empty_like(query[stock.token_idx])
-            self._attend(layer, query[stock.token_idx], stock_out, *self._split(kv_cache, one_head=False), stock)
-            out[stock.token_idx] = stock_out
+        self._attend_rows(layer, query, out, kv_cache, metadata.stock)
         per_head = metadata.per_head
         batch = per_head.layers[extract_layer_index(layer.layer_name)]
         by_kv_head = (-1, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
@@ -480,12 +483,8 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
                 context.selected[layer_idx] = self._select(layer.isa, query, kv_cache, context)
             return output
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        caches = self._split(kv_cache, one_head=False)
         for batch in (metadata.stock, context.selected[source]):
-            if batch.token_idx.numel():
-                batch_out = torch.empty_like(query[batch.token_idx])
-                self._attend(layer, query[batch.token_idx], batch_out, *caches, batch)
-                out[batch.token_idx] = batch_out
+            self._attend_rows(layer, query, out, kv_cache, batch)
         return output
 
     def _select(self, isa, query, kv_cache, context: ContextSelection) -> AttentionBatch:
@@ -501,11 +500,12 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         block_table = torch.zeros(len(chosen), max(c.numel() for c in chosen), dtype=context.block_table.dtype)
         for row, pages in enumerate(chosen):
             block_table[row, : pages.numel()] = table[row, pages].to(block_table.dtype)
-        seq_lens = torch.stack([len(c) * block_size - (n * block_size - l) for c, n, l in zip(chosen, num_pages, lengths)])
-        seq_lens = seq_lens.to(context.seq_lens.dtype)
+        counts = torch.tensor([c.numel() for c in chosen])
+        # Every page but the current (last) one is full: drop the tokens of the pages left out.
+        seq_lens = (lengths - (num_pages - counts) * block_size).to(context.seq_lens.dtype)
         query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
         WORKER_STATE.counters["context_pages"] += int(num_pages.sum())
-        WORKER_STATE.counters["selected_pages"] += sum(c.numel() for c in chosen)
+        WORKER_STATE.counters["selected_pages"] += int(counts.sum())
         return AttentionBatch(context.token_idx, query_start_loc, seq_lens, block_table, context.schedule(seq_lens, query_start_loc))
 
     def _add_attention(self, isa, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:

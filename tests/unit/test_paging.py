@@ -37,7 +37,7 @@ def test_page_keys_equal_token_gathers_for_affine_and_scrambled_layouts():
     affine = transposed_k_layout()
     scramble = torch.randperm(BS * D, generator=torch.Generator().manual_seed(0))
     scrambled = PageLayout(BS, D, affine.k_offsets.reshape(-1)[scramble].view(BS, D), affine.v_offsets)
-    assert affine.affine_keys() == (0, 1, BS) and scrambled.affine_keys() is None
+    assert affine.affine_keys == (0, 1, BS) and scrambled.affine_keys is None
     page_ids = torch.tensor([[3, 0, 5], [1, 1, 2]])
     for layout in (affine, scrambled):
         pages = torch.randn(6, layout.page_elems)
