@@ -44,6 +44,11 @@ def passkey_prompts(tokenizer, depths: list[float], length: int, question: str =
     return items
 
 
+def metric_total(metrics, name: str) -> float:
+    """A Prometheus metric from ``LLM.get_metrics()``, summed over its label sets."""
+    return sum(m.value for m in metrics if m.name == name)
+
+
 def provenance(command: list[str]) -> dict:
     """What produced a results file: command, machine and versions."""
 

@@ -10,7 +10,7 @@ stepped by hand. For each context length, four passkey prompts (key at 20%,
 again from the prefix cache, so the prompts are read once per context, not
 once per configuration. The full-cache rows are the same engine with a
 per-request ``kv_budget`` at least the context, which takes vLLM's stock
-attention path exactly (``tests/e2e/test_bitwise.py`` checks it bit for bit).
+attention path exactly (``tests/e2e/test_omnikv.py`` checks it bit for bit).
 
 Per configuration: ``STEPS`` decode steps with all four requests running
 (batch 4), then three are aborted and the fourth runs ``STEPS`` more
@@ -34,20 +34,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ANSWER_QUESTION, RESULTS_DIR, passkey_prompts, write_results  # noqa: E402
+from benchmarks.common import ANSWER_QUESTION, RESULTS_DIR, metric_total, passkey_prompts, write_results  # noqa: E402
 
 DEPTHS = [0.2, 0.4, 0.6, 0.8]
 STEPS = 24
 ANSWER_TOKENS = 12
 MAX_MODEL_LEN = 8192
+#: Pages the sparse layers read, and the context pages they chose from (omnikv's counters).
+PAGE_COUNTERS = ("vllm:kvpolicy_selected_pages", "vllm:kvpolicy_context_pages")
 COLUMNS = [
     "policy", "budget", "context", "batch", "decode_tokens_per_s", "ms_per_token", "needle_correct",
     "same_answers", "pages_read",
 ]
-
-
-def _metric(llm, name: str) -> float:
-    return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
 def decode(llm, prompts: list[dict], budget: int, tag: str) -> tuple[list[dict], list[str]]:
@@ -76,10 +74,10 @@ def decode(llm, prompts: list[dict], budget: int, tag: str) -> tuple[list[dict],
         step()
     rows = []
     for batch in (len(ids), 1):
-        before = _metric(llm, "vllm:kvpolicy_selected_pages"), _metric(llm, "vllm:kvpolicy_context_pages")
+        before = [metric_total(llm.get_metrics(), name) for name in PAGE_COUNTERS]
         times = [step() for _ in range(STEPS)]
-        selected, context = (_metric(llm, n) - b for n, b in zip(
-            ("vllm:kvpolicy_selected_pages", "vllm:kvpolicy_context_pages"), before))
+        after = [metric_total(llm.get_metrics(), name) for name in PAGE_COUNTERS]
+        selected, context = (a - b for a, b in zip(after, before))
         ms = 1000 * statistics.median(times)
         rows.append({"batch": batch, "ms_per_token": ms, "decode_tokens_per_s": 1000 * batch / ms,
                      "pages_read": selected / context if context else 1.0})
@@ -105,10 +103,13 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    def label(row: dict) -> str:
+        return row["policy"] + (f"@{row['budget']}" if row["budget"] else "")
+
     for ax, batch in zip(axes, sorted({r["batch"] for r in rows})):
-        for label in dict.fromkeys(r["policy"] + (f"@{r['budget']}" if r["budget"] else "") for r in rows):
-            subset = [r for r in rows if r["batch"] == batch and r["policy"] + (f"@{r['budget']}" if r["budget"] else "") == label]
-            ax.plot([r["context"] for r in subset], [r["decode_tokens_per_s"] for r in subset], marker="o", label=label)
+        for name in dict.fromkeys(map(label, rows)):
+            subset = [r for r in rows if r["batch"] == batch and label(r) == name]
+            ax.plot([r["context"] for r in subset], [r["decode_tokens_per_s"] for r in subset], marker="o", label=name)
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, write_results  # noqa: E402
 
 #: "stock" is vLLM without kvpolicy options; "none" is kvpolicy installed with --kv-policy none.
 POLICIES = ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
@@ -34,10 +34,6 @@ COLUMNS = [
     "policy", "budget", "output_len", "output_tokens_per_s", "peak_running", "preemptions",
     "mean_blocks_held", "memory_efficiency", "decode_ms_per_step", "ttft_s",
 ]
-
-
-def _metric(metrics, name: str) -> float:
-    return sum(m.value for m in metrics if m.name == name)
 
 
 def run_one(args) -> dict:
@@ -73,8 +69,8 @@ def run_one(args) -> dict:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", TokensPrompt(prompt_token_ids=prompt), params)
     before = llm.get_metrics()
-    preempt0 = _metric(before, "vllm:num_preemptions")
-    prompt0 = _metric(before, "vllm:prompt_tokens")
+    preempt0 = metric_total(before, "vllm:num_preemptions")
+    prompt0 = metric_total(before, "vllm:prompt_tokens")
     running, usage, decode_steps, output_tokens = [], [], [], 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -83,9 +79,9 @@ def run_one(args) -> dict:
         elapsed = time.perf_counter() - t0
         output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
         metrics = llm.get_metrics()
-        running.append(_metric(metrics, "vllm:num_requests_running"))
-        usage.append(_metric(metrics, "vllm:kv_cache_usage_perc"))
-        prompt_now = _metric(metrics, "vllm:prompt_tokens")
+        running.append(metric_total(metrics, "vllm:num_requests_running"))
+        usage.append(metric_total(metrics, "vllm:kv_cache_usage_perc"))
+        prompt_now = metric_total(metrics, "vllm:prompt_tokens")
         if prompt_now == prompt0:
             decode_steps.append(elapsed)
         prompt0 = prompt_now
@@ -97,19 +93,19 @@ def run_one(args) -> dict:
         "output_len": args.output_len,
         "output_tokens_per_s": output_tokens / wall,
         "peak_running": int(max(running)),
-        "preemptions": int(_metric(after, "vllm:num_preemptions") - preempt0),
+        "preemptions": int(metric_total(after, "vllm:num_preemptions") - preempt0),
         "mean_blocks_held": statistics.fmean(usage) * num_blocks,
         "pool_blocks": num_blocks,
         "decode_ms_per_step": 1000 * statistics.fmean(decode_steps) if decode_steps else None,
         "ttft_s": ttft,
         "wall_s": wall,
-        "released_blocks": _metric(after, "vllm:kvpolicy_released_blocks"),
+        "released_blocks": metric_total(after, "vllm:kvpolicy_released_blocks"),
         "memory_efficiency": (
-            _metric(after, "vllm:kvpolicy_ideal_kv_pages") / held
-            if (held := _metric(after, "vllm:kvpolicy_held_kv_pages"))
+            metric_total(after, "vllm:kvpolicy_ideal_kv_pages") / held
+            if (held := metric_total(after, "vllm:kvpolicy_held_kv_pages"))
             else None
         ),
-        "free_blocks_restored": _metric(after, "vllm:kv_cache_usage_perc") == 0.0,
+        "free_blocks_restored": metric_total(after, "vllm:kv_cache_usage_perc") == 0.0,
     }
 
 
