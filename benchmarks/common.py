@@ -44,6 +44,16 @@ def passkey_prompts(tokenizer, depths: list[float], length: int, question: str =
     return items
 
 
+def policy_options(spec: str) -> dict:
+    """``LLM`` keyword arguments of a policy spec, ``name[:option=value,...]``."""
+    name, _, rest = spec.partition(":")
+    options = {"kv_policy": name}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[f"kv_{key}"] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
+
+
 def metric_total(metrics, name: str) -> float:
     """A Prometheus metric from ``LLM.get_metrics()``, summed over its label sets."""
     return sum(m.value for m in metrics if m.name == name)
@@ -88,11 +98,14 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(out: Path, settings: dict, rows: list[dict], columns: list[str], plot) -> None:
-    """The results contract: JSON (provenance, settings, runs), a markdown table and a plot beside it."""
+def write_results(out: Path, settings: dict, rows: list[dict], columns: list[str], plot, table=None) -> None:
+    """The results contract: JSON (provenance, settings, runs), a markdown table and a plot beside it.
+
+    ``table(rows)`` renders the markdown when one row per line of ``columns`` would be too long to read.
+    """
     payload = {**provenance(sys.argv), "settings": settings, "runs": rows}
     write_json(out, payload)
-    table = markdown_table(rows, columns)
+    table = table(rows) if table else markdown_table(rows, columns)
     out.with_suffix(".md").write_text(table + "\n")
     plot(rows, out.with_suffix(".png"))
     print(table)

@@ -38,9 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, passkey_prompts, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, haystack_prompts, passkey_prompts, policy_options, write_results  # noqa: E402
 
-#: ``name`` or ``name:option=value``.
+#: ``name`` or ``name:option=value`` (``common.policy_options``).
 POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
 #: In the quick mode: the policies of the 2026-11-22 quick run (fidelity_quick.json).
 QUICK_POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"]
@@ -54,16 +54,6 @@ PASSKEY_LEN = 3000
 PASSKEY_ANSWER_TOKENS = 12
 FORCE_KEY = "force_token_ids"
 COLUMNS = ["policy", "budget", "top1_agreement", "mean_kl", "passkey_accuracy", "passkey_hits"]
-
-
-def policy_options(spec: str) -> dict:
-    """``LLM`` keyword arguments of a policy spec, ``name[:option=value,...]``."""
-    name, _, rest = spec.partition(":")
-    options = {"kv_policy": name}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        options[f"kv_{key}"] = {"true": True, "false": False}.get(value.lower(), value)
-    return options
 
 
 def run_engine(tasks: dict, policy: str, budgets: list[int]) -> dict:

@@ -1,0 +1,191 @@
+"""Long-context tasks generated locally: seeded, exact token lengths, the answer known.
+
+Each task builds a prompt of exactly ``length`` tokens in the plain-completion
+form the default model answers (DESIGN.md §3: ``...\\nAnswer: The X is``), with
+the fact asked for at ``depth`` (0 = first, 1 = last) of the context:
+
+- ``passkey``: a five-digit key in repeated filler sentences (Mohtashami & Jaggi).
+- ``niah``: a seven-digit "special magic number" for a word, in essay prose (RULER's single needle).
+- ``multikey``: the same with three more needles for other words (distractors) at random depths.
+- ``kv``: a dictionary of word-pair keys and five-digit values filling the context; one value asked for.
+- ``twostage``: OmniKV's 2StageRetr (paper §A): a dictionary of numbers to colors and an addition
+  whose sum is the key to look up; the model must add, then find that key's color.
+
+A hit is the answer in the first ``ANSWER_TOKENS`` generated tokens; for ``twostage``, the first
+color the model names must be the right one (so naming every color does not score).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvpolicy.sample_text import haystack_text
+
+TASKS = ("passkey", "niah", "multikey", "kv", "twostage")
+ANSWER_TOKENS = 16
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+WORDS = (
+    "apple", "river", "candle", "forest", "violin", "harbor", "pepper", "marble", "rocket", "garden",
+    "saddle", "tunnel", "falcon", "button", "lantern", "meadow", "anchor", "walnut", "glacier", "pillow",
+    "trumpet", "canyon", "ribbon", "orchard", "compass", "blanket", "thunder", "pebble", "mirror", "island",
+)
+COLORS = (
+    "red", "blue", "green", "yellow", "black", "white", "brown", "purple", "orange", "pink",
+    "gray", "teal", "maroon", "violet", "lime", "olive", "navy", "gold", "silver", "beige",
+)
+DISTRACTORS = 3
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One prompt of a task and what its answer must contain."""
+
+    task: str
+    length: int
+    depth: float
+    ids: list[int]
+    answer: str
+
+
+def is_hit(item: TaskItem, text: str) -> bool:
+    if item.task == "twostage":
+        named = re.findall(r"[a-z]+", text.lower())
+        return next((w for w in named if w in COLORS), None) == item.answer
+    return item.answer in text
+
+
+class TaskBuilder:
+    """Builds the prompts of every task for one tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @cached_property
+    def _prose(self) -> tuple[int, ...]:
+        return tuple(self.encode(haystack_text()))
+
+    @cached_property
+    def _filler_sentence(self) -> tuple[int, ...]:
+        return tuple(self.encode(FILLER))
+
+    def prose(self, count: int, rng: random.Random) -> list[int]:
+        ids = self._prose
+        start = rng.randrange(len(ids) - count)
+        return list(ids[start : start + count])
+
+    def repeated_filler(self, count: int) -> list[int]:
+        sentence = self._filler_sentence
+        return list((sentence * (count // len(sentence) + 1))[:count])
+
+    def sentence_boundary(self, ids: list[int], at: int) -> int:
+        """The first place at or after ``at`` that follows a token ending a sentence (or ``at``)."""
+        for i in range(max(at, 1), len(ids)):
+            if self.tokenizer.decode(ids[i - 1 : i]).rstrip().endswith((".", "!", "?")):
+                return i
+        return at
+
+    def insert(self, filler: list[int], needles: list[tuple[float, list[int]]]) -> list[int]:
+        """Needles placed at their depths of ``filler`` (at sentence boundaries), in depth order."""
+        out, taken = [], 0
+        for depth, needle in sorted(needles, key=lambda n: n[0]):
+            at = max(taken, self.sentence_boundary(filler, round(depth * len(filler))))
+            out += filler[taken:at] + needle
+            taken = at
+        return out + filler[taken:]
+
+    def fit(self, task: str, length: int, depth: float, head: str, needles: list[tuple[float, str]],
+            question: str, answer: str, haystack: str, rng: random.Random) -> TaskItem:
+        head_ids, question_ids = self.encode(head), self.encode(question)
+        needle_ids = [(d, self.encode(text)) for d, text in needles]
+        room = length - len(head_ids) - len(question_ids) - sum(len(ids) for _, ids in needle_ids)
+        if room <= 0:
+            raise ValueError(f"{task}: {length} tokens leave no room for filler")
+        filler = self.prose(room, rng) if haystack == "prose" else self.repeated_filler(room)
+        ids = head_ids + self.insert(filler, needle_ids) + question_ids
+        return TaskItem(task, length, depth, ids, answer)
+
+    def passkey(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        key = str(rng.randrange(10000, 100000))
+        head = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
+        needle = f" The pass key is {key}. Remember it. {key} is the pass key."
+        return self.fit("passkey", length, depth, head, [(depth, needle)],
+                        "\n\nWhat is the pass key?\nAnswer: The pass key is", key, "filler", rng)
+
+    def _magic_numbers(self, task: str, length: int, depth: float, rng: random.Random, distractors: int) -> TaskItem:
+        words = rng.sample(WORDS, 1 + distractors)
+        numbers = [str(rng.randrange(1000000, 10000000)) for _ in words]
+        depths = [depth] + [rng.random() for _ in range(distractors)]
+        needles = [(d, f" The special magic number for {w} is {n}.") for d, w, n in zip(depths, words, numbers)]
+        head = "Some special magic numbers are hidden in the essays below. Find them and remember them.\n\n"
+        question = f"\n\nWhat is the special magic number for {words[0]}?\nAnswer: The special magic number for {words[0]} is"
+        return self.fit(task, length, depth, head, needles, question, numbers[0], "prose", rng)
+
+    def niah(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        return self._magic_numbers("niah", length, depth, rng, 0)
+
+    def multikey(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        return self._magic_numbers("multikey", length, depth, rng, DISTRACTORS)
+
+    def kv(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        head = "Below is a dictionary of keys and values. Remember them.\n\n{"
+        longest = f"{max(WORDS, key=len)}-{max(WORDS, key=len)}-99"
+        keys: set[str] = set()
+
+        def entry() -> tuple[str, str]:
+            key = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}-{rng.randrange(100)}"
+            if key in keys:
+                return entry()
+            keys.add(key)
+            return key, str(rng.randrange(10000, 100000))
+
+        def question(key: str) -> str:
+            return f'}}\n\nWhat is the value of "{key}"?\nAnswer: The value of "{key}" is'
+
+        entries = self._entries(length, head, question(longest), entry, lambda k, v: f' "{k}": {v},')
+        key, value = entries[round(depth * (len(entries) - 1))]
+        return self._dictionary("kv", length, depth, head, entries, lambda k, v: f' "{k}": {v},', question(key), value)
+
+    def twostage(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        head = ("Let's play a game. You have a dict and an addition. Add the two numbers, find that key "
+                "in the dict, and answer with its color. The dict is {")
+        counter = iter(range(10**6))
+
+        def question(left: int, right: int) -> str:
+            return f"}}\n\nThe equation is {left} + {right} = ?\nAnswer: {left} + {right} ="
+
+        entries = self._entries(length, head, question(9999, 9999), lambda: (next(counter), rng.choice(COLORS)),
+                                lambda k, v: f" {k}: {v},")
+        key = max(2, round(depth * (len(entries) - 1)))
+        left = rng.randrange(1, key)
+        return self._dictionary("twostage", length, depth, head, entries, lambda k, v: f" {k}: {v},",
+                                question(left, key - left), entries[key][1])
+
+    def _entries(self, length: int, head: str, longest_question: str, entry, render) -> list[tuple]:
+        """Dictionary entries, in order, as many as fit beside the head and the longest question."""
+        room = length - len(self.encode(head)) - len(self.encode(longest_question))
+        entries = []
+        while True:
+            key, value = entry()
+            room -= len(self.encode(render(key, value)))
+            if room < 0:
+                return entries
+            entries.append((key, value))
+
+    def _dictionary(self, task: str, length: int, depth: float, head: str, entries: list, render, question: str,
+                    answer: str) -> TaskItem:
+        """A dictionary prompt, padded to ``length`` with spaces before its closing brace."""
+        body = self.encode(head) + [t for k, v in entries for t in self.encode(render(k, v))]
+        tail = self.encode(question)
+        pad = length - len(body) - len(tail)
+        return TaskItem(task, length, depth, body + self.encode(" ") * pad + tail, answer)
+
+    def build(self, task: str, length: int, depth: float, seed: int) -> TaskItem:
+        """One prompt; the same (task, length, depth, seed) always gives the same tokens."""
+        rng = random.Random(f"{task}-{length}-{depth}-{seed}")
+        return getattr(self, task)(length, depth, rng)

@@ -1,0 +1,75 @@
+"""The quality harness's tasks: exact lengths, reproducible, the asked-for fact at its depth; its arithmetic."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from benchmarks.quality import reliable_cells, request_budget, summary_rows
+from benchmarks.tasks import COLORS, TASKS, TaskBuilder, TaskItem, is_hit
+
+
+@pytest.fixture(scope="module")
+def builder(model_path):
+    return TaskBuilder(AutoTokenizer.from_pretrained(str(model_path)))
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [1000, 4000])
+def test_prompts_have_the_exact_length_and_are_reproducible(builder, task, length):
+    item = builder.build(task, length, 0.5, seed=0)
+    assert len(item.ids) == length
+    assert builder.build(task, length, 0.5, seed=0) == item
+    assert builder.build(task, length, 0.5, seed=1).ids != item.ids
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah", "multikey", "kv"])
+def test_the_answer_sits_at_its_depth(builder, task):
+    """The answer's first occurrence moves from the start to the end of the context with the depth."""
+    places = []
+    for depth in (0.0, 0.5, 1.0):
+        item = builder.build(task, 2000, depth, seed=0)
+        text = builder.tokenizer.decode(item.ids)
+        assert text.count(item.answer) >= 1
+        places.append(text.index(item.answer) / len(text))
+    assert places[0] < 0.1 and 0.4 < places[1] < 0.6 and places[2] > 0.85
+
+
+def test_multikey_asks_for_one_of_four_distinct_needles(builder):
+    item = builder.build("multikey", 2000, 0.3, seed=0)
+    text = builder.tokenizer.decode(item.ids)
+    assert text.count("The special magic number for") == 4 + 1  # four needles and the answer's stem
+    assert text.count(item.answer) == 1
+
+
+def test_twostage_answer_is_the_color_of_the_sum(builder):
+    item = builder.build("twostage", 2000, 0.5, seed=3)
+    text = builder.tokenizer.decode(item.ids)
+    left, right = text.rsplit("The equation is ", 1)[1].split(" = ?")[0].split(" + ")
+    key = int(left) + int(right)
+    assert f" {key}: {item.answer}," in text
+
+
+def test_twostage_counts_only_the_first_color_named():
+    item = TaskItem("twostage", 10, 0.5, [], "teal")
+    assert is_hit(item, " 18, the color is teal.")
+    assert not is_hit(item, " 18, the color is red or teal")
+    assert not is_hit(item, " 18.")
+    assert set(COLORS) >= {"teal", "red"}
+
+
+def test_request_budget_reads_tokens_and_ratios():
+    assert request_budget("256", 4000) == 256
+    assert request_budget("0.1", 4000) == 400
+    assert request_budget("0.25", 1000) == 250
+
+
+def test_summary_averages_only_where_the_full_cache_is_reliable():
+    rows = [
+        {"policy": "none", "budget": None, "ratio": None, "task": "niah", "context": 1000, "accuracy": 1.0},
+        {"policy": "none", "budget": None, "ratio": None, "task": "niah", "context": 2000, "accuracy": 0.4},
+        {"policy": "snapkv", "budget": 128, "ratio": None, "task": "niah", "context": 1000, "accuracy": 0.5},
+        {"policy": "snapkv", "budget": 128, "ratio": None, "task": "niah", "context": 2000, "accuracy": 0.0},
+    ]
+    reliable = reliable_cells(rows)
+    assert reliable == {("niah", 1000)}
+    summary = {r["policy"]: r["niah"] for r in summary_rows(rows, reliable)}
+    assert summary == {"none": 1.0, "snapkv": 0.5}
