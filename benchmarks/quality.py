@@ -1,0 +1,238 @@
+"""Quality harness: long-context tasks through the real engine, every policy x budget, with plots.
+
+    python benchmarks/quality.py --quick   # passkey and niah at 1K/2K, 3 depths; adasnap, keydiff, omnikv at 128
+    python benchmarks/quality.py           # all five tasks at 1K/2K/4K/8K, 10 prompts per cell, all policies
+
+The tasks (``benchmarks/tasks.py``) are generated here from a seed: the same
+command gives the same prompts. The full cache (``--kv-policy none``) answers
+every prompt first; a task x context it answers in fewer than ``RELIABLE`` of
+its prompts tells nothing about compression, so the policies are run only on
+the task x contexts the full cache solves (its whole table is in the JSON).
+
+A budget is a token count (``256``: tokens kept per KV head, or per sparse
+layer for omnikv) or a ratio below 1 (``0.1``: that share of each prompt, the
+budget ``--kv-ratio`` would give a compressing policy). Budgets are per
+request (``kv_budget`` in the request's ``extra_args``), so each policy is one
+engine, in its own process, reading prompts in chunks of ``PREFILL_CHUNK``
+tokens (keydiff evicts after each). Every (policy, budget) cell is saved in
+``<out>.work/`` as soon as its engine has answered it, under a digest of its
+prompts: an interrupted or extended run computes only the cells it lacks.
+Greedy decoding, fp32. Writes ``benchmarks/results/quality.json`` (quick:
+``quality_quick.json``), a markdown table and a plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, markdown_table, policy_options, write_json, write_results  # noqa: E402
+from benchmarks.tasks import ANSWER_TOKENS, TASKS, TaskItem, is_hit  # noqa: E402
+
+POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
+FULL = {"policies": POLICIES, "budgets": ["128", "256", "512", "0.1", "0.25"], "tasks": list(TASKS),
+        "lengths": [1000, 2000, 4000, 8000], "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "seeds": 2}
+QUICK = {"policies": ["adasnap", "keydiff", "omnikv"], "budgets": ["128"], "tasks": ["passkey", "niah"],
+         "lengths": [1000, 2000], "depths": [0.1, 0.5, 0.9], "seeds": 1}
+#: The full cache must answer at least this share of a task x context's prompts for it to count.
+RELIABLE = 0.8
+PREFILL_CHUNK = 512
+MAX_MODEL_LEN = 8192
+COLUMNS = ["policy", "budget", "ratio", "task", "context", "accuracy", "n"]
+
+
+def request_budget(label: str, prompt_len: int) -> int:
+    """A budget label's ``kv_budget`` for one prompt: tokens as given, or the ratio's share of the prompt."""
+    value = float(label)
+    return round(value * prompt_len) if value < 1 else int(value)
+
+
+def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[str, str]) -> None:
+    """One engine, in this process; each budget's answers are written to ``cells[budget]`` once they are in."""
+    import kvpolicy.vllm  # noqa: F401
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvpolicy.model import prepare
+
+    largest = max((request_budget(b, len(item["ids"])) for b in budgets for item in items), default=None)
+    llm = LLM(
+        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
+        max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0,
+        **policy_options(policy), **({"kv_budget": largest} if largest else {}),
+    )
+    prompts = [TokensPrompt(prompt_token_ids=item["ids"]) for item in items]
+    for budget in budgets or ["full"]:
+        params = [
+            SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0,
+                           extra_args=None if budget == "full" else {"kv_budget": request_budget(budget, len(item["ids"]))})
+            for item in items
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+        write_json(Path(cells[budget]), {"answers": [o.outputs[0].text for o in outputs]})
+
+
+def summary_rows(rows: list[dict], reliable: dict) -> list[dict]:
+    """Each policy x budget's accuracy per task, averaged over the contexts the full cache solves."""
+    groups: dict = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if (row["task"], row["context"]) in reliable:
+            groups[(row["policy"], row["budget"], row["ratio"])][row["task"]].append(row["accuracy"])
+    return [{"policy": policy, "budget": budget, "ratio": ratio,
+             **{task: sum(accs) / len(accs) for task, accs in by_task.items()}}
+            for (policy, budget, ratio), by_task in groups.items()]
+
+
+def reliable_cells(rows: list[dict]) -> set:
+    return {(r["task"], r["context"]) for r in rows if r["policy"] == "none" and r["accuracy"] >= RELIABLE}
+
+
+def tables(rows: list[dict]) -> str:
+    full = [r for r in rows if r["policy"] == "none"]
+    tasks = list(dict.fromkeys(r["task"] for r in full))
+    contexts = sorted({r["context"] for r in full})
+    by_cell = {(r["task"], r["context"]): r["accuracy"] for r in full}
+    baseline = [{"task": t, **{str(c): by_cell.get((t, c)) for c in contexts}} for t in tasks]
+    reliable = reliable_cells(rows)
+    summary = summary_rows(rows, reliable)
+    solved = [t for t in tasks if any(task == t for task, _ in reliable)]
+    return (
+        f"Full cache (`--kv-policy none`): accuracy per task and context (tokens); "
+        f"cells at >= {RELIABLE} count below.\n\n"
+        + markdown_table(baseline, ["task", *map(str, contexts)])
+        + "\n\nEach policy and budget: accuracy per task over the contexts the full cache solves.\n\n"
+        + markdown_table(summary, ["policy", "budget", "ratio", *solved])
+    )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reliable = reliable_cells(rows)
+    summary = summary_rows(rows, reliable)
+    tasks = [t for t in dict.fromkeys(r["task"] for r in rows) if any(task == t for task, _ in reliable)]
+    kinds = [k for k in ("budget", "ratio") if any(r[k] is not None for r in summary)]
+    if not tasks or not kinds:
+        return
+    fig, axes = plt.subplots(len(kinds), len(tasks), figsize=(3.6 * len(tasks), 3.2 * len(kinds)), squeeze=False)
+    for row_axes, kind in zip(axes, kinds):
+        for ax, task in zip(row_axes, tasks):
+            for policy in dict.fromkeys(r["policy"] for r in summary if r["policy"] != "none"):
+                points = sorted((r[kind], r[task]) for r in summary if r["policy"] == policy and r[kind] is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=policy)
+            full = next(r[task] for r in summary if r["policy"] == "none")
+            ax.axhline(full, color="k", ls="--", label="full cache")
+            contexts = sorted(c for t, c in reliable if t == task)
+            ax.set_title(f"{task} ({', '.join(f'{c // 1000}K' for c in contexts)})", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (tokens per KV head)" if kind == "budget" else "budget (share of the prompt)")
+            ax.set_ylim(-0.05, 1.05)
+        row_axes[0].set_ylabel("accuracy")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("kvpolicy task accuracy vs budget (SmolLM2-135M, vLLM CPU; contexts the full cache solves)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskItem], progress) -> list[dict]:
+    """A policy's accuracy rows at each budget; cells already in ``work`` are read, the rest answered by one engine."""
+    payload = [asdict(item) for item in items]
+    digest = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:12]
+    cells = {b: work / f"{policy}@{b}-{digest}.json" for b in budgets}
+    missing = [b for b in budgets if not cells[b].exists()]
+    progress.update(len(budgets) - len(missing))
+    if missing:
+        job = work / f"job-{policy}-{digest}.json"
+        write_json(job, {"items": payload, "policy": policy, "budgets": [b for b in missing if b != "full"],
+                         "cells": {b: str(cells[b]) for b in missing}})
+        proc = subprocess.run([sys.executable, __file__, "--run-one", str(job)])
+        if proc.returncode != 0:
+            raise SystemExit(f"{policy} failed (exit {proc.returncode}, its log is above); "
+                             f"finished cells are kept in {work}")
+        job.unlink()
+        progress.update(len(missing))
+    rows = []
+    for budget, path in cells.items():
+        hits: dict = defaultdict(list)
+        for item, answer in zip(items, json.loads(path.read_text())["answers"]):
+            hits[(item.task, item.length)].append(is_hit(item, answer))
+        ratio = float(budget) if budget != "full" and float(budget) < 1 else None
+        token_budget = int(budget) if budget != "full" and ratio is None else None
+        rows += [{"policy": policy, "budget": token_budget, "ratio": ratio, "task": task, "context": length,
+                  "accuracy": sum(h) / len(h), "n": len(h)} for (task, length), h in hits.items()]
+    return rows
+
+
+def build_items(settings: dict) -> list[TaskItem]:
+    from transformers import AutoTokenizer
+
+    from benchmarks.tasks import TaskBuilder
+    from kvpolicy.model import prepare
+
+    builder = TaskBuilder(AutoTokenizer.from_pretrained(str(prepare())))
+    return [builder.build(task, length, depth, seed)
+            for task in settings["tasks"] for length in settings["lengths"]
+            for depth in settings["depths"] for seed in range(settings["seeds"])]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small grid, about 10 minutes here")
+    parser.add_argument("--policies", nargs="*", help="policy specs, name[:option=value]; the full cache always runs")
+    parser.add_argument("--budgets", nargs="+", help="token counts (256) or ratios of the prompt (0.1)")
+    parser.add_argument("--tasks", nargs="+", choices=TASKS)
+    parser.add_argument("--lengths", nargs="+", type=int, help="prompt lengths in tokens")
+    parser.add_argument("--depths", nargs="+", type=float)
+    parser.add_argument("--seeds", type=int, help="prompts per task, length and depth")
+    parser.add_argument("--out", type=Path, help="default: results/quality.json (quick: quality_quick.json)")
+    parser.add_argument("--run-one", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run_one:
+        job = json.loads(args.run_one.read_text())
+        run_engine(job["items"], job["policy"], job["budgets"], job["cells"])
+        return 0
+
+    from tqdm import tqdm
+
+    settings = {**(QUICK if args.quick else FULL), "quick": args.quick}
+    for key in ("policies", "budgets", "tasks", "lengths", "depths", "seeds"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    for label in settings["budgets"]:
+        if float(label) <= 0:
+            raise SystemExit(f"budget {label}: give a token count or a ratio in (0, 1)")
+    if max(settings["lengths"]) + ANSWER_TOKENS > MAX_MODEL_LEN:
+        raise SystemExit(f"prompt lengths must leave {ANSWER_TOKENS} tokens under {MAX_MODEL_LEN}")
+    out = args.out or RESULTS_DIR / ("quality_quick.json" if args.quick else "quality.json")
+    work = out.with_suffix(".work")
+    work.mkdir(parents=True, exist_ok=True)
+    items = build_items(settings)
+    grid = [(p, settings["budgets"]) for p in settings["policies"]]
+    with tqdm(total=1 + sum(len(b) for _, b in grid), desc="cells (policy x budget)", unit="cell") as progress:
+        rows = answer_cells(work, "none", ["full"], items, progress)
+        reliable = reliable_cells(rows)
+        solved = [item for item in items if (item.task, item.length) in reliable]
+        if not solved:
+            print("the full cache solves no task x context reliably: no policy is run", file=sys.stderr)
+        for policy, budgets in grid if solved else []:
+            rows += answer_cells(work, policy, budgets, solved, progress)
+    settings["reliable"] = RELIABLE
+    write_results(out, settings, rows, COLUMNS, plot, table=tables)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
