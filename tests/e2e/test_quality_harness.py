@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GRID = ["--policies", "snapkv", "--budgets", "128", "0.25", "--tasks", "passkey", "--lengths", "600",
+GRID = ["--policies", "snapkv", "--budgets", "128", "0.25", "--tasks", "niah", "--lengths", "1000",
         "--depths", "0.5", "--seeds", "1"]
 
 
@@ -23,7 +23,7 @@ def test_tiny_grid_writes_the_contract_and_resumes_from_its_cells(tmp_path):
     assert {(r["policy"], r["budget"], r["ratio"]) for r in runs} == {("none", None, None), ("snapkv", 128, None),
                                                                         ("snapkv", None, 0.25)}
     for row in runs:
-        assert row["task"] == "passkey" and row["context"] == 600 and row["n"] == 1
+        assert row["task"] == "niah" and row["context"] == 1000 and row["n"] == 1
         assert row["accuracy"] in (0.0, 1.0)
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
 
