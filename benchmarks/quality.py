@@ -141,7 +141,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_ylim(-0.05, 1.05)
         row_axes[0].set_ylabel("accuracy")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("kvpolicy task accuracy vs budget (SmolLM2-135M, vLLM CPU; contexts the full cache solves)")
+    fig.suptitle("Task accuracy vs budget, SmolLM2-135M in vLLM (CPU);\ncontexts the full cache solves", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
