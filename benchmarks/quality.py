@@ -80,7 +80,7 @@ def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[s
         write_json(Path(cells[budget]), {"answers": [o.outputs[0].text for o in outputs]})
 
 
-def summary_rows(rows: list[dict], reliable: dict) -> list[dict]:
+def summary_rows(rows: list[dict], reliable: set) -> list[dict]:
     """Each policy x budget's accuracy per task, averaged over the contexts the full cache solves."""
     groups: dict = defaultdict(lambda: defaultdict(list))
     for row in rows:
@@ -124,6 +124,9 @@ def plot(rows: list[dict], path: Path) -> None:
     tasks = [t for t in dict.fromkeys(r["task"] for r in rows) if any(task == t for task, _ in reliable)]
     kinds = [k for k in ("budget", "ratio") if any(r[k] is not None for r in summary)]
     if not tasks or not kinds:
+        fig = plt.figure(figsize=(6, 1.5))
+        fig.text(0.5, 0.5, "no policy measured: the full cache solves no task x context of this run", ha="center")
+        fig.savefig(path, dpi=110)
         return
     fig, axes = plt.subplots(len(kinds), len(tasks), figsize=(3.6 * len(tasks), 3.2 * len(kinds)), squeeze=False)
     for row_axes, kind in zip(axes, kinds):
