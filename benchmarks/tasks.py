@@ -137,50 +137,55 @@ class TaskBuilder:
         longest = f"{max(WORDS, key=len)}-{max(WORDS, key=len)}-99"
         keys: set[str] = set()
 
-        def entry() -> tuple[str, str]:
+        def entry() -> tuple[str, str, str]:
             key = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}-{rng.randrange(100)}"
             if key in keys:
                 return entry()
             keys.add(key)
-            return key, str(rng.randrange(10000, 100000))
+            value = str(rng.randrange(10000, 100000))
+            return key, value, f' "{key}": {value},'
 
         def question(key: str) -> str:
             return f'}}\n\nWhat is the value of "{key}"?\nAnswer: The value of "{key}" is'
 
-        entries = self._entries(length, head, question(longest), entry, lambda k, v: f' "{k}": {v},')
-        key, value = entries[round(depth * (len(entries) - 1))]
-        return self._dictionary("kv", length, depth, head, entries, lambda k, v: f' "{k}": {v},', question(key), value)
+        entries = self._entries(length, head, question(longest), entry)
+        key, value, _ = entries[round(depth * (len(entries) - 1))]
+        return self._dictionary("kv", length, depth, head, entries, question(key), value)
 
     def twostage(self, length: int, depth: float, rng: random.Random) -> TaskItem:
         head = ("Let's play a game. You have a dict and an addition. Add the two numbers, find that key "
                 "in the dict, and answer with its color. The dict is {")
         counter = iter(range(10**6))
 
+        def entry() -> tuple[int, str, str]:
+            key, color = next(counter), rng.choice(COLORS)
+            return key, color, f" {key}: {color},"
+
         def question(left: int, right: int) -> str:
             return f"}}\n\nThe equation is {left} + {right} = ?\nAnswer: {left} + {right} ="
 
-        entries = self._entries(length, head, question(9999, 9999), lambda: (next(counter), rng.choice(COLORS)),
-                                lambda k, v: f" {k}: {v},")
+        entries = self._entries(length, head, question(9999, 9999), entry)
         key = max(2, round(depth * (len(entries) - 1)))
         left = rng.randrange(1, key)
-        return self._dictionary("twostage", length, depth, head, entries, lambda k, v: f" {k}: {v},",
-                                question(left, key - left), entries[key][1])
+        return self._dictionary("twostage", length, depth, head, entries, question(left, key - left), entries[key][1])
 
-    def _entries(self, length: int, head: str, longest_question: str, entry, render) -> list[tuple]:
-        """Dictionary entries, in order, as many as fit beside the head and the longest question."""
+    def _entries(self, length: int, head: str, longest_question: str, entry) -> list[tuple]:
+        """Dictionary entries ``(key, value, token ids)``, in order, as many as fit beside the head and the
+        longest question; ``entry()`` draws the next ``(key, value, text)``."""
         room = length - len(self.encode(head)) - len(self.encode(longest_question))
         entries = []
         while True:
-            key, value = entry()
-            room -= len(self.encode(render(key, value)))
+            key, value, text = entry()
+            ids = self.encode(text)
+            room -= len(ids)
             if room < 0:
                 return entries
-            entries.append((key, value))
+            entries.append((key, value, ids))
 
-    def _dictionary(self, task: str, length: int, depth: float, head: str, entries: list, render, question: str,
+    def _dictionary(self, task: str, length: int, depth: float, head: str, entries: list, question: str,
                     answer: str) -> TaskItem:
         """A dictionary prompt, padded to ``length`` with spaces before its closing brace."""
-        body = self.encode(head) + [t for k, v in entries for t in self.encode(render(k, v))]
+        body = self.encode(head) + [t for _, _, ids in entries for t in ids]
         tail = self.encode(question)
         pad = length - len(body) - len(tail)
         return TaskItem(task, length, depth, body + self.encode(" ") * pad + tail, answer)
