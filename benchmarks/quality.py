@@ -49,10 +49,21 @@ MAX_MODEL_LEN = 8192
 COLUMNS = ["policy", "budget", "ratio", "task", "context", "accuracy", "n"]
 
 
-def request_budget(label: str, prompt_len: int) -> int:
-    """A budget label's ``kv_budget`` for one prompt: tokens as given, or the ratio's share of the prompt."""
-    value = float(label)
-    return round(value * prompt_len) if value < 1 else int(value)
+#: The budget label of the full cache's cell: no ``kv_budget``.
+FULL_CACHE = "full"
+
+
+def budget_fields(label: str) -> dict:
+    """A budget label as result fields: ``budget`` (tokens) or ``ratio`` (share of the prompt); both None for the full cache."""
+    value = None if label == FULL_CACHE else float(label)
+    ratio = value if value is not None and value < 1 else None
+    return {"budget": int(value) if value is not None and ratio is None else None, "ratio": ratio}
+
+
+def request_budget(label: str, prompt_len: int) -> int | None:
+    """A budget label's ``kv_budget`` for one prompt: tokens as given, the ratio's share of the prompt, or None."""
+    fields = budget_fields(label)
+    return round(fields["ratio"] * prompt_len) if fields["ratio"] is not None else fields["budget"]
 
 
 def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[str, str]) -> None:
@@ -63,19 +74,18 @@ def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[s
 
     from kvpolicy.model import prepare
 
-    largest = max((request_budget(b, len(item["ids"])) for b in budgets for item in items), default=None)
+    largest = max((request_budget(b, len(item["ids"])) for b in budgets if b != FULL_CACHE for item in items),
+                  default=None)
     llm = LLM(
         str(prepare()), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
         max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0,
         **policy_options(policy), **({"kv_budget": largest} if largest else {}),
     )
     prompts = [TokensPrompt(prompt_token_ids=item["ids"]) for item in items]
-    for budget in budgets or ["full"]:
-        params = [
-            SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0,
-                           extra_args=None if budget == "full" else {"kv_budget": request_budget(budget, len(item["ids"]))})
-            for item in items
-        ]
+    for budget in budgets:
+        requested = [request_budget(budget, len(item["ids"])) for item in items]
+        params = [SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0,
+                                 extra_args=None if tokens is None else {"kv_budget": tokens}) for tokens in requested]
         outputs = llm.generate(prompts, params, use_tqdm=True)
         write_json(Path(cells[budget]), {"answers": [o.outputs[0].text for o in outputs]})
 
@@ -158,7 +168,7 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
     progress.update(len(budgets) - len(missing))
     if missing:
         job = work / f"job-{policy}-{digest}.json"
-        write_json(job, {"items": payload, "policy": policy, "budgets": [b for b in missing if b != "full"],
+        write_json(job, {"items": payload, "policy": policy, "budgets": missing,
                          "cells": {b: str(cells[b]) for b in missing}})
         proc = subprocess.run([sys.executable, __file__, "--run-one", str(job)])
         if proc.returncode != 0:
@@ -171,9 +181,7 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
         hits: dict = defaultdict(list)
         for item, answer in zip(items, json.loads(path.read_text())["answers"]):
             hits[(item.task, item.length)].append(is_hit(item, answer))
-        ratio = float(budget) if budget != "full" and float(budget) < 1 else None
-        token_budget = int(budget) if budget != "full" and ratio is None else None
-        rows += [{"policy": policy, "budget": token_budget, "ratio": ratio, "task": task, "context": length,
+        rows += [{"policy": policy, **budget_fields(budget), "task": task, "context": length,
                   "accuracy": sum(h) / len(h), "n": len(h)} for (task, length), h in hits.items()]
     return rows
 
@@ -225,7 +233,7 @@ def main() -> int:
     items = build_items(settings)
     grid = [(p, settings["budgets"]) for p in settings["policies"]]
     with tqdm(total=1 + sum(len(b) for _, b in grid), desc="cells (policy x budget)", unit="cell") as progress:
-        rows = answer_cells(work, "none", ["full"], items, progress)
+        rows = answer_cells(work, "none", [FULL_CACHE], items, progress)
         reliable = reliable_cells(rows)
         solved = [item for item in items if (item.task, item.length) in reliable]
         if not solved:
