@@ -1,6 +1,6 @@
 """Quality against the full cache, through the real engine: fidelity and passkey retrieval, policies x budgets.
 
-    python benchmarks/fidelity.py --quick   # 4 prompts, budget 256, 3 passkey depths: ~2 min per engine here
+    python benchmarks/fidelity.py --quick   # 2 prompts, budget 256, passkey at 50%; stock + 4 policies
     python benchmarks/fidelity.py           # 20 prompts of 2K-4K tokens, budgets 128/256/512, 5 depths
 
 Fidelity: stock vLLM (the full cache) greedily continues each haystack
@@ -42,8 +42,8 @@ from benchmarks.common import RESULTS_DIR, haystack_prompts, passkey_prompts, po
 
 #: ``name`` or ``name:option=value`` (``common.policy_options``).
 POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
-#: In the quick mode: the policies of the 2026-11-22 quick run (fidelity_quick.json).
-QUICK_POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"]
+#: In the quick mode (<= 10 min here): the default policy and the eviction and merging policies.
+QUICK_POLICIES = ["adasnap", "keydiff", "h2o", "d2o"]
 #: Also in the full mode: D2O's eviction without its merging, to see what merging buys.
 ABLATIONS = ["d2o:merge=false"]
 CONTINUATION = 64
@@ -173,10 +173,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 prompts, budget 256, 3 passkey depths")
-    parser.add_argument("--policies", nargs="+", default=None, help="default: all and the ablation (quick: all but omnikv)")
+    parser.add_argument("--quick", action="store_true", help="2 prompts, budget 256, passkey at 50%%, 4 policies")
+    parser.add_argument("--policies", nargs="+", default=None, help="default: all and the ablation (quick: QUICK_POLICIES)")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
-    parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 4, full 20)")
+    parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 2, full 20)")
+    parser.add_argument("--depths", nargs="+", type=float, default=None, help="passkey depths (quick 0.5, full 5)")
     parser.add_argument("--out", type=Path, default=None, help="default: results/fidelity.json (quick: fidelity_quick.json)")
     parser.add_argument("--run-one", nargs=3, metavar=("TASKS", "POLICY", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--run-budgets", nargs="+", type=int, default=[], help=argparse.SUPPRESS)
@@ -195,9 +196,9 @@ def main() -> int:
 
     out = args.out or RESULTS_DIR / ("fidelity_quick.json" if args.quick else "fidelity.json")
     policies = args.policies or (QUICK_POLICIES if args.quick else POLICIES + ABLATIONS)
-    count = args.prompts or (4 if args.quick else 20)
+    count = args.prompts or (2 if args.quick else 20)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
-    depths = [0.1, 0.5, 0.9] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0]
+    depths = args.depths or ([0.5] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
     tokenizer = AutoTokenizer.from_pretrained(str(prepare()))
     lengths = [round(2048 + i * (4000 - 2048) / max(count - 1, 1)) for i in range(count)]
     tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths, PASSKEY_LEN)}
