@@ -174,7 +174,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 prompts, budget 256, passkey at 50%%, 4 policies")
-    parser.add_argument("--policies", nargs="+", default=None, help=f"default: all and the ablation (quick: {' '.join(QUICK_POLICIES)})")
+    parser.add_argument("--policies", nargs="+", default=None,
+                        help=f"default: all and the ablation (quick: {' '.join(QUICK_POLICIES)})")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 2, full 20)")
     parser.add_argument("--depths", nargs="+", type=float, default=None, help="passkey depths (quick 0.5, full 5)")
