@@ -1,6 +1,16 @@
 """Per-(request, layer, kv-head) pages over vLLM blocks. Torch and numpy only; no vLLM, no policy."""
 
 from kvpolicy.paging.layout import PageLayout
+from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall
 from kvpolicy.paging.page_table import RequestPages, TokenMoves
 
-__all__ = ["PageLayout", "RequestPages", "TokenMoves"]
+__all__ = [
+    "HostPagePool",
+    "OffloadPlan",
+    "OffloadedRequest",
+    "PageCopies",
+    "PageLayout",
+    "RequestPages",
+    "SparseCall",
+    "TokenMoves",
+]

@@ -1,0 +1,248 @@
+"""Pages of an OmniKV request whose sparse layers live in a separate host pool.
+
+With ``--kv-offload`` a request keeps in vLLM's KV pool (the device): every
+page of its full-attention layers, one tail page per (sparse layer, kv head)
+where that layer's new tokens are written, and staging pages that a sparse
+layer's selected context is copied into before it attends. The completed
+pages of the sparse layers sit in the host pool. A vLLM block spans every
+layer, so this frees blocks only when pages are shared across layers: page
+ids here are global over vLLM's one KV buffer (layer ``l``, block ``b``, head
+``h`` is page ``layer_base[l] + b*H + h``), and a full layer's page may sit
+in another layer's region of a block the request keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class HostPagePool:
+    """A pool of one-head pages outside vLLM's KV buffer (pinned memory when CUDA is present).
+
+    A request reserves, when it is offloaded, the pages it may fill as it
+    decodes up to the model's length, so a decode step never runs out.
+    """
+
+    def __init__(self, num_pages: int, page_elems: int, dtype: torch.dtype, pin: bool = False):
+        self.pages = torch.empty(num_pages, page_elems, dtype=dtype, pin_memory=pin)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.reserved = 0
+
+    @property
+    def num_available(self) -> int:
+        return len(self._free) - self.reserved
+
+    def allocate(self, count: int, reserved: int = 0) -> list[int]:
+        """``count`` pages now, and ``reserved`` more set aside for ``take_reserved``."""
+        if count + reserved > self.num_available:
+            raise MemoryError(f"the host pool has {self.num_available} free pages, {count + reserved} asked for")
+        self.reserved += reserved
+        return [self._free.pop() for _ in range(count)]
+
+    def take_reserved(self) -> int:
+        self.reserved -= 1
+        return self._free.pop()
+
+    def release(self, pages: Sequence[int], reserved: int = 0) -> None:
+        self._free.extend(pages)
+        self.reserved -= reserved
+
+
+@dataclass(frozen=True)
+class PageCopies:
+    """Whole-page copies ``src[i] -> dst[i]`` (page ids; which pool each side is in, the caller knows)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[int, int]]) -> "PageCopies":
+        src, dst = zip(*pairs) if pairs else ((), ())
+        return cls(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The copies that offload a request: sparse layers' completed pages to the host first, then the
+    full layers' pages and the sparse tails into the blocks the request keeps (read all, then write)."""
+
+    to_host: PageCopies
+    on_device: PageCopies
+    keep_blocks: int
+
+
+@dataclass(frozen=True)
+class SparseCall:
+    """One sparse layer's view of a request: load ``loads.src`` (host) into ``loads.dst`` (device),
+    then each head attends to ``table[h]`` (staging pages, then its tail page) up to ``seq_len``."""
+
+    loads: PageCopies
+    table: list[list[int]]
+    seq_len: int
+
+
+class OffloadedRequest:
+    """Where each (layer, kv head) of one request lives once its sparse layers are offloaded."""
+
+    def __init__(
+        self,
+        layer_base: Sequence[int],
+        num_heads: int,
+        block_size: int,
+        blocks: Sequence[int],
+        full_layers: Sequence[bool],
+    ):
+        self.layer_base = list(layer_base)
+        self.num_layers = len(self.layer_base)
+        self.num_heads = num_heads
+        self.block_size = block_size
+        self.full = list(full_layers)
+        self.blocks: list[int | None] = [int(b) for b in blocks]
+        self.length = 0
+        self.pages: list[list[list[int]]] = []  # full layers: every page; sparse layers: [tail page]
+        self.host_pages: list[list[list[int]]] = []  # sparse layers: completed pages, in position order
+        self.staging: list[list[int]] = [[] for _ in range(num_heads)]
+        self.free: list[int] = []
+        self.host_reserved = 0
+
+    def _page(self, layer: int, block: int, head: int) -> int:
+        return self.layer_base[layer] + block * self.num_heads + head
+
+    def _block_pages(self, block: int) -> list[int]:
+        return [self._page(layer, block, h) for layer in range(self.num_layers) for h in range(self.num_heads)]
+
+    def offload(self, length: int, host: HostPagePool, staging_pages: int, max_length: int) -> OffloadPlan:
+        """Plan the move of a request read in vLLM's stock layout (``length`` tokens) to the offloaded one.
+
+        ``staging_pages``: completed pages a sparse layer may attend to per head (its budget in pages,
+        less the current one). Raises MemoryError, changing nothing, when the host pool cannot take
+        the request up to ``max_length`` tokens.
+        """
+        bs, heads = self.block_size, self.num_heads
+        num_pages = math.ceil(length / bs)
+        sparse = [layer for layer in range(self.num_layers) if not self.full[layer]]
+        now = len(sparse) * heads * (num_pages - 1)
+        growth = len(sparse) * heads * (math.ceil(max_length / bs) - 1) - now
+        host_ids = iter(host.allocate(now, reserved=growth))
+        self.host_reserved = growth
+        to_host = []
+        self.host_pages = [[[] for _ in range(heads)] for _ in range(self.num_layers)]
+        for layer in sparse:
+            for h in range(heads):
+                for i in range(num_pages - 1):
+                    page = next(host_ids)
+                    to_host.append((self._page(layer, self.blocks[i], h), page))
+                    self.host_pages[layer][h].append(page)
+        num_full = self.num_layers - len(sparse)
+        needed = heads * (num_full * num_pages + len(sparse) + staging_pages)
+        keep = min(math.ceil(needed / (self.num_layers * heads)) + 1, len(self.blocks))
+        staying = {
+            self._page(layer, self.blocks[i], h)
+            for layer in range(self.num_layers) if self.full[layer]
+            for h in range(heads) for i in range(min(keep, num_pages))
+        }
+        free = [p for b in self.blocks[:keep] for p in self._block_pages(b) if p not in staying]
+        free.reverse()
+        on_device = []
+        self.pages = [[[] for _ in range(heads)] for _ in range(self.num_layers)]
+        for layer in range(self.num_layers):
+            for h in range(heads):
+                if self.full[layer]:
+                    for i in range(num_pages):
+                        page = self._page(layer, self.blocks[i], h)
+                        if page not in staying:
+                            on_device.append((page, free.pop()))
+                            page = on_device[-1][1]
+                        self.pages[layer][h].append(page)
+                else:
+                    tail = free.pop()
+                    on_device.append((self._page(layer, self.blocks[num_pages - 1], h), tail))
+                    self.pages[layer][h].append(tail)
+        self.free = free
+        self.length = length
+        self._grow_staging(staging_pages)
+        return OffloadPlan(PageCopies.of(to_host), PageCopies.of(on_device), keep)
+
+    def _grow_staging(self, count: int) -> None:
+        for staging in self.staging:
+            missing = count - len(staging)
+            if missing > len(self.free):
+                raise RuntimeError("no free page left for staging: the offloaded request outgrew its blocks")
+            staging.extend(self.free.pop() for _ in range(max(missing, 0)))
+
+    def add_blocks(self, blocks: Sequence[int]) -> None:
+        """Blocks vLLM appended as the request grew: all their pages are free."""
+        for block in blocks:
+            self.blocks.append(int(block))
+            self.free.extend(reversed(self._block_pages(int(block))))
+
+    def append(self, host: HostPagePool) -> tuple[torch.Tensor, list[PageCopies]]:
+        """Room for one new token in every (layer, head): its slots [layers, heads], and per layer the
+        full tail pages to copy to the host before the token is written (they start a new page)."""
+        bs, heads = self.block_size, self.num_heads
+        offset = self.length % bs
+        slots = torch.empty(self.num_layers, heads, dtype=torch.int64)
+        flushes = []
+        for layer in range(self.num_layers):
+            copies = []
+            for h in range(heads):
+                pages = self.pages[layer][h]
+                if self.full[layer]:
+                    if offset == 0:
+                        if not self.free:
+                            raise RuntimeError("no free page left: the offloaded request outgrew its blocks")
+                        pages.append(self.free.pop())
+                    page = pages[self.length // bs]
+                else:
+                    page = pages[0]
+                    if offset == 0:
+                        host_page = host.take_reserved()
+                        self.host_reserved -= 1
+                        copies.append((page, host_page))
+                        self.host_pages[layer][h].append(host_page)
+                slots[layer, h] = page * bs + offset
+            flushes.append(PageCopies.of(copies))
+        self.length += 1
+        return slots, flushes
+
+    def full_table(self, layer: int) -> list[list[int]]:
+        """Per head, the pages a full-attention layer reads, in position order."""
+        return self.pages[layer]
+
+    def sparse_call(self, layer: int, chosen: Sequence[int]) -> SparseCall:
+        """What a sparse layer reads: the selected page indices ``chosen`` (ascending, the current page last)."""
+        completed = list(chosen[:-1])
+        self._grow_staging(len(completed))
+        loads, table = [], []
+        for h in range(self.num_heads):
+            staging = self.staging[h][: len(completed)]
+            loads.extend(zip((self.host_pages[layer][h][i] for i in completed), staging))
+            table.append([*staging, self.pages[layer][h][0]])
+        current = self.length - (math.ceil(self.length / self.block_size) - 1) * self.block_size
+        return SparseCall(PageCopies.of(loads), table, len(completed) * self.block_size + current)
+
+    def release_tail(self, keep_blocks: int) -> int:
+        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+        gone = set()
+        released = 0
+        for position in range(keep_blocks, len(self.blocks)):
+            block = self.blocks[position]
+            if block is not None:
+                gone.update(self._block_pages(block))
+                self.blocks[position] = None
+                released += 1
+        in_use = {p for layer in self.pages for head in layer for p in head} | {p for s in self.staging for p in s}
+        if gone & in_use:
+            raise RuntimeError("a released block still holds pages of the request")
+        self.free = [p for p in self.free if p not in gone]
+        return released
+
+    def live_blocks(self) -> int:
+        return sum(block is not None for block in self.blocks)
+
+    def host_page_ids(self) -> list[int]:
+        return [p for layer in self.host_pages for head in layer for p in head]
