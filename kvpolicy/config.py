@@ -35,6 +35,7 @@ class KVPolicyConfig:
     merge: bool = True
     filter_layers: tuple[int, ...] = OMNIKV_FILTER_LAYERS
     dense_layers: int = OMNIKV_DENSE_LAYERS
+    offload: float | None = None
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
@@ -66,6 +67,11 @@ class KVPolicyConfig:
         if self.dense_layers < 0:
             raise KVPolicyConfigError(f"--kv-dense-layers must be >= 0, got {self.dense_layers}")
         policy = POLICIES[self.policy]
+        if self.offload is not None:
+            if not policy.selects_context:
+                raise KVPolicyConfigError(f"--kv-offload applies to --kv-policy omnikv, not {self.policy}")
+            if self.offload <= 0:
+                raise KVPolicyConfigError(f"--kv-offload is the host pool's size in GiB, > 0; got {self.offload}")
         if not self.merge and "merge" not in {f.name for f in fields(policy)}:
             raise KVPolicyConfigError(f"--kv-merge false applies to d2o, not to --kv-policy {self.policy}")
         if policy.needs_budget and self.budget is None and self.ratio is None:
@@ -80,6 +86,11 @@ class KVPolicyConfig:
     def compresses(self) -> bool:
         """Whether requests leave vLLM's stock layout (anything but ``none`` and ``omnikv``)."""
         return POLICIES[self.policy].relocates
+
+    @property
+    def rewrites_blocks(self) -> bool:
+        """Whether vLLM blocks may hold something else than their tokens: relocation or offload."""
+        return self.compresses or self.offload is not None
 
     @property
     def changes_attention(self) -> bool:

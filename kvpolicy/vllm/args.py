@@ -40,6 +40,10 @@ REQUEST_BUDGET_KEY = "kv_budget"
 _PATCHED = "_kvpolicy_patched"
 
 
+#: Options only one policy takes: a single value is judged as that policy's (the whole config is judged later).
+_OPTION_POLICY = {"merge": {"policy": "d2o", "budget": 256}, "offload": {"policy": "omnikv", "budget": 256}}
+
+
 def _option_type(name: str, convert):
     """argparse ``type=``: convert, then let KVPolicyConfig judge the single value."""
 
@@ -49,7 +53,7 @@ def _option_type(name: str, convert):
             if name == "policy":
                 check_policy_name(value)
             else:
-                KVPolicyConfig(**{name: value})
+                KVPolicyConfig(**{name: value, **_OPTION_POLICY.get(name, {})})
         except KVPolicyConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return value
@@ -91,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "omnikv: layers that select the context of the layers after them, e.g. 2,8,18 "
          f"(default {','.join(map(str, defaults.filter_layers))}: calibrated for SmolLM2-135M)"),
         ("dense_layers", int, None, f"omnikv: layers below this always attend to everything (default {defaults.dense_layers})"),
+        ("offload", float, None,
+         "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
+         "the full-attention layers and the pages loaded for each step (no prefix caching)"),
     ]
     for name, convert, default, help_text in options:
         group.add_argument(
@@ -136,10 +143,11 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         raise KVPolicyConfigError(
             "--kv-policy runs on vLLM's CPU backend in this release; the GPU backend is not available yet"
         )
-    if config.compresses:
+    if config.rewrites_blocks:
         if engine_args.enable_prefix_caching:
+            what = f"--kv-policy {config.policy}" + (" --kv-offload" if config.offload is not None else "")
             raise KVPolicyConfigError(
-                f"--kv-policy {config.policy} relocates KV pages, which prefix caching would share "
+                f"{what} relocates KV pages, which prefix caching would share "
                 "between requests; drop --enable-prefix-caching"
             )
         engine_args.enable_prefix_caching = False

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvpolicy.paging import PageLayout, RequestPages
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, PageLayout, RequestPages
 from kvpolicy.policies import PromptKV
 from kvpolicy.policies.h2o import add_new_token, new_token_attention
 from kvpolicy.policies.omnikv import context_scores, select_pages
@@ -104,8 +104,7 @@ class ContextSelection:
 
     ``token_idx``: the rows' query tokens (one each); ``seq_lens`` and
     ``block_table``: their whole context in vLLM's blocks; ``budgets``: tokens
-    a sparse layer attends to, per row. ``sources[l]``: the filter layer whose
-    selection layer ``l`` attends to (None: full attention). ``selected``
+    a sparse layer attends to, per row. ``selected``
     fills as the step runs: filter layer -> the sparse layers' call.
     ``schedule``: scheduler metadata for a call over these rows.
     """
@@ -114,20 +113,50 @@ class ContextSelection:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     budgets: list[int]
-    sources: list[int | None]
     schedule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     selected: dict[int, AttentionBatch] = field(default_factory=dict)
 
 
 @dataclass
+class OffloadedBatch:
+    """OmniKV's decode rows whose sparse layers live in the host pool: ``H`` one-head virtual
+    sequences per row over vLLM's whole KV buffer (``WorkerState.page_space``), in every layer.
+
+    Virtual token ``i`` is query token ``token_of[i]``, KV head ``head_of[i]`` (ordered row, head).
+    ``slots[l]``: where layer ``l`` writes the new K/V; ``flushes[l]``: full tail pages it copies
+    to the host first. ``full[l]``: a full-attention layer's call. ``chosen`` fills as filter
+    layers select: filter layer -> per row, the page indices its sparse layers read.
+    """
+
+    token_idx: torch.Tensor
+    token_of: torch.Tensor
+    head_of: torch.Tensor
+    requests: list[OffloadedRequest]
+    budgets: list[int]
+    slots: torch.Tensor
+    flushes: list[PageCopies]
+    full: dict[int, AttentionBatch]
+    schedule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    chosen: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
 class KVPolicyMetadata(CPUAttentionMetadata):
-    """Stock metadata plus the per-head or context-selection part; ``stock`` is the other rows' own call."""
+    """Stock metadata plus the per-head or context-selection part; ``stock`` is the other rows' own call.
+
+    OmniKV: ``sources[l]`` is the filter layer whose selection layer ``l`` attends to (None: full
+    attention); with offloaded rows, ``resident`` is every other row's call (full-attention layers).
+    """
 
     stock: AttentionBatch | None = None
     per_head: PerHeadBatch | None = None
     relocations: list[Relocation] = field(default_factory=list)
     window_stash: list[WindowStash] = field(default_factory=list)
     context: ContextSelection | None = None
+    offloaded: OffloadedBatch | None = None
+    resident: AttentionBatch | None = None
+    offloads: list[OffloadPlan] = field(default_factory=list)  # prompts whose sparse layers move after the last layer
+    sources: list[int | None] | None = None
 
 
 class KVPolicyCPUBackend(CPUAttentionBackend):
@@ -233,39 +262,126 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         return WORKER_STATE.policy.source_layers(self.num_layers)
 
     def _with_context_selection(self, metadata, cam):
-        """OmniKV: decode rows whose context is over their budget attend sparsely in the sparse layers."""
+        """OmniKV: decode rows whose context is over their budget attend sparsely in the sparse layers;
+        with ``--kv-offload``, prompts over budget move their sparse layers to the host pool."""
         runner = WORKER_STATE.runner
         config = WORKER_STATE.config
         num_reqs = cam.num_reqs
         qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy()
         seq_lens = cam.seq_lens[:num_reqs].cpu().numpy()
-        rows, budgets = [], []
+        rows, budgets, offloaded_rows, offloads = [], [], [], []
         for row, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
             request = runner.requests[req_id]
             seq_len = int(seq_lens[row])
-            one_query = qsl[row + 1] - qsl[row] == 1
-            if not one_query or seq_len <= request.num_prompt_tokens or seq_len < request.num_tokens:
-                continue  # prompt (or recompute) chunks: full attention
+            query_len = int(qsl[row + 1] - qsl[row])
+            offloaded = WORKER_STATE.offloaded.get(req_id)
+            if offloaded is not None and seq_len == query_len:
+                WORKER_STATE.forget([req_id])  # preempted and recomputed from scratch
+                offloaded = None
             override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
             budget = config.sparse_budget(seq_len, self.num_layers, override)
+            if offloaded is not None:
+                if query_len != 1:
+                    raise RuntimeError("an offloaded request takes one new token per step")
+                offloaded_rows.append((row, offloaded, budget))
+                continue
+            decoding = query_len == 1 and request.num_prompt_tokens < seq_len == request.num_tokens
+            if not decoding:
+                if WORKER_STATE.offloads and seq_len == request.num_tokens and budget < seq_len:
+                    offload = self._offload(req_id, cam.block_table_tensor[row], seq_len, budget)
+                    if offload is not None:
+                        offloads.append(offload)
+                continue  # prompt (or recompute) chunks: full attention
             if budget < seq_len:
                 rows.append(row)
                 budgets.append(budget)
-        if not rows:
+        if not (rows or offloaded_rows or offloads):
             return metadata
-        row_idx = torch.tensor(rows, dtype=torch.int64)
-        context = ContextSelection(
-            token_idx=torch.from_numpy(qsl[rows].astype(np.int64)),
-            seq_lens=cam.seq_lens[row_idx],
-            block_table=cam.block_table_tensor[row_idx],
-            budgets=budgets,
+        schedule = functools.partial(self._scheduler_metadata, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+        context = None
+        if rows:
+            row_idx = torch.tensor(rows, dtype=torch.int64)
+            context = ContextSelection(
+                token_idx=torch.from_numpy(qsl[rows].astype(np.int64)),
+                seq_lens=cam.seq_lens[row_idx],
+                block_table=cam.block_table_tensor[row_idx],
+                budgets=budgets,
+                schedule=schedule,
+            )
+        away = {row for row, _, _ in offloaded_rows}
+        stock_rows = sorted(set(range(num_reqs)) - set(rows) - away)
+        metadata = KVPolicyMetadata(
+            **vars(metadata),
+            context=context,
+            stock=self._stock_batch(stock_rows, qsl, cam),
+            offloads=offloads,
             sources=self._source_layers,
-            schedule=functools.partial(
-                self._scheduler_metadata, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads
-            ),
         )
-        stock_rows = sorted(set(range(num_reqs)) - set(rows))
-        return KVPolicyMetadata(**vars(metadata), context=context, stock=self._stock_batch(stock_rows, qsl, cam))
+        if offloaded_rows:
+            metadata.offloaded = self._offloaded_batch(offloaded_rows, qsl, cam)
+            metadata.resident = self._stock_batch(sorted(set(range(num_reqs)) - away), qsl, cam)
+        return metadata
+
+    def _offload(self, req_id: str, block_table, length: int, budget: int) -> OffloadPlan | None:
+        """Plan the offload of a prompt that completes this step; None when the host pool is full."""
+        space = WORKER_STATE.page_space()
+        num_blocks = -(-length // self.block_size)
+        sources = self._source_layers
+        request = OffloadedRequest(
+            space.layer_base, self.num_kv_heads, self.block_size, block_table[:num_blocks].tolist(),
+            [source is None for source in sources],
+        )
+        staging = -(-budget // self.block_size) - 1
+        try:
+            plan = request.offload(length, WORKER_STATE.host_pool(), staging, self.vllm_config.model_config.max_model_len)
+        except MemoryError:
+            WORKER_STATE.counters["offload_refused"] += 1
+            return None
+        WORKER_STATE.offloaded[req_id] = request
+        WORKER_STATE.offloaded_this_step[req_id] = plan.keep_blocks
+        return plan
+
+    def _offloaded_batch(self, rows, qsl, cam) -> OffloadedBatch:
+        heads = self.num_kv_heads
+        host = WORKER_STATE.host_pool()
+        slots, flushes = [], []
+        for row, request, _ in rows:
+            num_blocks = -(-(request.length + 1) // self.block_size)
+            request.add_blocks(cam.block_table_tensor[row, len(request.blocks) : num_blocks].tolist())
+            row_slots, row_flushes = request.append(host)
+            slots.append(row_slots)
+            flushes.append(row_flushes)
+        token_idx = torch.tensor([int(qsl[row]) for row, _, _ in rows], dtype=torch.int64)
+        requests = [request for _, request, _ in rows]
+        query_start_loc = torch.arange(len(rows) * heads + 1, dtype=torch.int32)
+        seq_lens = torch.tensor([r.length for r in requests], dtype=torch.int32).repeat_interleave(heads)
+        schedule = functools.partial(self._scheduler_metadata, num_heads=self.queries_per_kv, num_kv_heads=1)
+        full_schedule = schedule(seq_lens, query_start_loc)
+        full = {
+            layer: AttentionBatch(
+                token_idx,
+                query_start_loc,
+                seq_lens,
+                padded_table([pages for request in requests for pages in request.full_table(layer)]),
+                full_schedule,
+            )
+            for layer, source in enumerate(self._source_layers)
+            if source is None
+        }
+        return OffloadedBatch(
+            token_idx=token_idx,
+            token_of=token_idx.repeat_interleave(heads),
+            head_of=torch.arange(heads).repeat(len(rows)),
+            requests=requests,
+            budgets=[budget for _, _, budget in rows],
+            slots=torch.stack(slots, dim=1).reshape(self.num_layers, -1),
+            flushes=[
+                PageCopies(torch.cat([f[layer].src for f in flushes]), torch.cat([f[layer].dst for f in flushes]))
+                for layer in range(self.num_layers)
+            ],
+            full=full,
+            schedule=schedule,
+        )
 
     @staticmethod
     def _relocation(req_id, pages, num_tokens, num_computed, budget, prompt_done, window_idx=None) -> Relocation:
@@ -354,6 +470,14 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         )
 
 
+def padded_table(rows: list[list[int]]) -> torch.Tensor:
+    """A block table with one row per virtual sequence, zero-padded to the longest."""
+    table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+    for i, pages in enumerate(rows):
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    return table
+
+
 @functools.lru_cache(maxsize=None)
 def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> PageLayout:
     """Discover where the cache writer puts (token, dim) inside a page, exactly.
@@ -394,20 +518,29 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         metadata = self._metadata(layer)
-        if metadata is None or metadata.per_head is None:
+        if metadata is None or (metadata.per_head is None and metadata.offloaded is None):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        stock_idx = metadata.stock.token_idx
+        layer_idx = extract_layer_index(layer.layer_name)
+        heads_batch = metadata.per_head or metadata.offloaded
+        stock_idx = (metadata.stock if metadata.per_head is not None else metadata.resident).token_idx
         if stock_idx.numel():
             super().do_kv_cache_update(layer, key[stock_idx], value[stock_idx], kv_cache, slot_mapping[stock_idx])
-        per_head = metadata.per_head
-        key_cache, value_cache = self._split(kv_cache, one_head=True)
+        if metadata.per_head is not None:
+            pages = kv_cache.view(-1, 1, *kv_cache.shape[2:])
+        else:
+            pages = WORKER_STATE.page_space().pages
+            flush = metadata.offloaded.flushes[layer_idx]
+            if flush.src.numel():
+                WORKER_STATE.host.pages[flush.dst] = pages.view(pages.shape[0], -1)[flush.src]
+                WORKER_STATE.counters["offloaded_kv_pages"] += flush.src.numel()
+        key_cache, value_cache = self._split(pages, one_head=False)
         heads = self.num_kv_heads
         ops.cpu_attn_reshape_and_cache(
-            key.reshape(-1, heads, self.head_size)[per_head.token_of, per_head.head_of].unsqueeze(1),
-            value.reshape(-1, heads, self.head_size)[per_head.token_of, per_head.head_of].unsqueeze(1),
+            key.reshape(-1, heads, self.head_size)[heads_batch.token_of, heads_batch.head_of].unsqueeze(1),
+            value.reshape(-1, heads, self.head_size)[heads_batch.token_of, heads_batch.head_of].unsqueeze(1),
             key_cache,
             value_cache,
-            per_head.slots[extract_layer_index(layer.layer_name)],
+            heads_batch.slots[layer_idx],
             layer.isa,
             k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float,
@@ -436,7 +569,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         )
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
-        if isinstance(attn_metadata, KVPolicyMetadata) and attn_metadata.context is not None:
+        if isinstance(attn_metadata, KVPolicyMetadata) and WORKER_STATE.selects_context:
             return self._forward_selecting(layer, query, key, value, kv_cache, attn_metadata, output)
         if not isinstance(attn_metadata, KVPolicyMetadata) or attn_metadata.per_head is None:
             output = super().forward(
@@ -461,31 +594,68 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
             self._attend(layer, query[batch.token_idx], rows_out, *self._split(kv_cache, one_head=False), batch)
             out[batch.token_idx] = rows_out
 
+    def _attend_heads(self, layer, query, out, pages, batch: AttentionBatch, token_of, head_of) -> None:
+        """One call over one-head virtual sequences (query token ``token_of[i]``, KV head ``head_of[i]``)
+        on ``pages``, one-head pages [pages, 1, block_size, 2*head_size]; results written into ``out``."""
+        by_kv_head = (-1, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
+        head_query = query.view(by_kv_head)[token_of, head_of]
+        head_out = torch.empty_like(head_query)
+        self._attend(layer, head_query, head_out, *self._split(pages, one_head=False), batch)
+        out.view(by_kv_head)[token_of, head_of] = head_out
+
     def _forward_mixed(self, layer, query, kv_cache, metadata: KVPolicyMetadata, output) -> None:
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         self._attend_rows(layer, query, out, kv_cache, metadata.stock)
         per_head = metadata.per_head
         batch = per_head.layers[extract_layer_index(layer.layer_name)]
-        by_kv_head = (-1, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
-        head_query = query.view(by_kv_head)[per_head.token_of, per_head.head_of]
-        head_out = torch.empty_like(head_query)
-        self._attend(layer, head_query, head_out, *self._split(kv_cache, one_head=True), batch)
-        out.view(by_kv_head)[per_head.token_of, per_head.head_of] = head_out
+        pages = kv_cache.view(-1, 1, *kv_cache.shape[2:])
+        self._attend_heads(layer, query, out, pages, batch, per_head.token_of, per_head.head_of)
 
     def _forward_selecting(self, layer, query, key, value, kv_cache, metadata: KVPolicyMetadata, output):
-        """OmniKV: full attention, then a selection in filter layers; sparse layers attend to the selection."""
-        context = metadata.context
+        """OmniKV: full attention, then a selection in filter layers; sparse layers attend to the selection.
+
+        Offloaded rows attend per head over the whole KV buffer: full layers to their own pages, sparse
+        layers to the selected pages loaded from the host pool into staging pages, then their tail.
+        """
+        context, offloaded = metadata.context, metadata.offloaded
         layer_idx = extract_layer_index(layer.layer_name)
-        source = context.sources[layer_idx]
-        if source is None:
-            output = super().forward(layer, query, key, value, kv_cache, metadata, output)
-            if layer_idx in WORKER_STATE.policy.filter_layers:
-                context.selected[layer_idx] = self._select(layer.isa, query, kv_cache, context)
-            return output
+        source = metadata.sources[layer_idx]
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        for batch in (metadata.stock, context.selected[source]):
-            self._attend_rows(layer, query, out, kv_cache, batch)
+        pages = WORKER_STATE.page_space().pages if offloaded is not None or metadata.offloads else None
+        if source is None:
+            if offloaded is None:
+                output = super().forward(layer, query, key, value, kv_cache, metadata, output)
+            else:
+                self._attend_rows(layer, query, out, kv_cache, metadata.resident)
+                self._attend_heads(
+                    layer, query, out, pages, offloaded.full[layer_idx], offloaded.token_of, offloaded.head_of
+                )
+            if layer_idx in WORKER_STATE.policy.filter_layers:
+                if context is not None:
+                    context.selected[layer_idx] = self._select(layer.isa, query, kv_cache, context)
+                if offloaded is not None:
+                    offloaded.chosen[layer_idx] = self._select_offloaded(layer.isa, query, pages, layer_idx, offloaded)
+        else:
+            self._attend_rows(layer, query, out, kv_cache, metadata.stock)
+            if context is not None:
+                self._attend_rows(layer, query, out, kv_cache, context.selected[source])
+            if offloaded is not None:
+                batch = self._load_selection(pages, layer_idx, offloaded, offloaded.chosen[source])
+                self._attend_heads(layer, query, out, pages, batch, offloaded.token_of, offloaded.head_of)
+        if metadata.offloads and layer_idx == len(metadata.sources) - 1:
+            self._offload(pages, metadata.offloads)
         return output
+
+    def _choose_pages(self, isa, query, pages, page_ids, token_idx, lengths, budgets) -> list[torch.Tensor]:
+        """Eq. (3)-(4) and the page choice for decode rows: ``page_ids`` [rows, kv_heads, pages] in
+        ``pages`` (one-head pages), ``token_idx`` the rows' query tokens."""
+        block_size, width = pages.shape[-2:]
+        keys = page_layout(isa, pages.dtype, block_size, width // 2).page_key_blocks(pages, page_ids)
+        queries = query[token_idx].view(-1, self.num_heads, 1, self.head_size)
+        chosen = select_pages(context_scores(queries, keys, lengths), lengths, block_size, budgets)
+        WORKER_STATE.counters["context_pages"] += int((-(-lengths // block_size)).sum())
+        WORKER_STATE.counters["selected_pages"] += sum(c.numel() for c in chosen)
+        return chosen
 
     def _select(self, isa, query, kv_cache, context: ContextSelection) -> AttentionBatch:
         """Score each decode row's context with its last token (eq. 3-4) and build the sparse call over its pages."""
@@ -494,19 +664,52 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         num_pages = -(-lengths // block_size)
         table = context.block_table.long()[:, : int(num_pages.max())]
         page_ids = table[:, None, :] * heads + torch.arange(heads)[None, :, None]
-        keys = page_layout(isa, kv_cache.dtype, block_size, width // 2).page_key_blocks(kv_cache, page_ids)
-        queries = query[context.token_idx].view(-1, self.num_heads, 1, self.head_size)
-        chosen = select_pages(context_scores(queries, keys, lengths), lengths, block_size, context.budgets)
+        pages = kv_cache.view(-1, 1, block_size, width)
+        chosen = self._choose_pages(isa, query, pages, page_ids, context.token_idx, lengths, context.budgets)
         block_table = torch.zeros(len(chosen), max(c.numel() for c in chosen), dtype=context.block_table.dtype)
-        for row, pages in enumerate(chosen):
-            block_table[row, : pages.numel()] = table[row, pages].to(block_table.dtype)
+        for row, selected in enumerate(chosen):
+            block_table[row, : selected.numel()] = table[row, selected].to(block_table.dtype)
         counts = torch.tensor([c.numel() for c in chosen])
         # Every page but the current (last) one is full: drop the tokens of the pages left out.
         seq_lens = (lengths - (num_pages - counts) * block_size).to(context.seq_lens.dtype)
         query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
-        WORKER_STATE.counters["context_pages"] += int(num_pages.sum())
-        WORKER_STATE.counters["selected_pages"] += int(counts.sum())
         return AttentionBatch(context.token_idx, query_start_loc, seq_lens, block_table, context.schedule(seq_lens, query_start_loc))
+
+    def _select_offloaded(self, isa, query, pages, layer_idx: int, offloaded: OffloadedBatch) -> list[torch.Tensor]:
+        """The filter layer's choice for offloaded rows, from its keys in the request's own pages."""
+        batch = offloaded.full[layer_idx]
+        heads = self.num_kv_heads
+        page_ids = batch.block_table.long().view(len(offloaded.requests), heads, -1)
+        lengths = torch.tensor([request.length for request in offloaded.requests])
+        return self._choose_pages(isa, query, pages, page_ids, offloaded.token_idx, lengths, offloaded.budgets)
+
+    def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:
+        """Copy a sparse layer's selected pages from the host pool into staging; the call that reads them."""
+        calls = [request.sparse_call(layer_idx, rows_pages.tolist()) for request, rows_pages in zip(offloaded.requests, chosen)]
+        src = torch.cat([call.loads.src for call in calls])
+        dst = torch.cat([call.loads.dst for call in calls])
+        flat = pages.view(pages.shape[0], -1)
+        flat[dst] = WORKER_STATE.host.pages[src]
+        WORKER_STATE.counters["loaded_kv_pages"] += int(src.numel())
+        heads = self.num_kv_heads
+        table = padded_table([pages for call in calls for pages in call.table])
+        seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
+        query_start_loc = torch.arange(len(calls) * heads + 1, dtype=torch.int32)
+        return AttentionBatch(
+            offloaded.token_idx, query_start_loc, seq_lens, table, offloaded.schedule(seq_lens, query_start_loc)
+        )
+
+    def _offload(self, pages, offloads: list[OffloadPlan]) -> None:
+        """After the last layer: sparse layers' completed pages to the host, then the rest packed into
+        the blocks each request keeps (every source read before any destination is written)."""
+        flat = pages.view(pages.shape[0], -1)
+        host = WORKER_STATE.host
+        WORKER_STATE.block_bytes = flat[0].nbytes * self.num_kv_heads * len(WORKER_STATE.page_space().layer_base)
+        for plan in offloads:
+            host.pages[plan.to_host.dst] = flat[plan.to_host.src]
+            flat[plan.on_device.dst] = flat[plan.on_device.src]
+            WORKER_STATE.counters["offloaded_requests"] += 1
+            WORKER_STATE.counters["offloaded_kv_pages"] += int(plan.to_host.src.numel())
 
     def _add_attention(self, isa, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
         """Add each relocated request's new token's attention weights over its cache to its carried scores.

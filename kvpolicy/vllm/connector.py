@@ -62,6 +62,22 @@ COUNTERS = {
         "vllm:kvpolicy_ideal_kv_pages",
         "Kept tokens / block size: the pages a perfect allocator would hold; ideal / held is memory efficiency.",
     ),
+    "offloaded_requests": (
+        "vllm:kvpolicy_offloaded_requests",
+        "omnikv --kv-offload: requests whose sparse layers moved to the host pool when their prompt completed.",
+    ),
+    "offloaded_kv_pages": (
+        "vllm:kvpolicy_offloaded_kv_pages",
+        "omnikv --kv-offload: one-head pages copied to the host pool (at offload, and each filled tail page).",
+    ),
+    "loaded_kv_pages": (
+        "vllm:kvpolicy_loaded_kv_pages",
+        "omnikv --kv-offload: one-head pages copied from the host pool to staging for a sparse layer to read.",
+    ),
+    "offload_refused": (
+        "vllm:kvpolicy_offload_refused",
+        "omnikv --kv-offload: requests kept whole in vLLM's pool because the host pool was full.",
+    ),
     "context_pages": (
         "vllm:kvpolicy_context_pages",
         "omnikv: context pages of decode rows at each filter-layer selection (what full attention would read).",
@@ -209,6 +225,16 @@ class KVPolicyConnector(KVConnectorBase_V1):
             counters["held_kv_pages"] += keep * pages.num_layers * pages.num_heads
             counters["ideal_kv_pages"] += pages.kept_tokens() / pages.block_size
         WORKER_STATE.relocated_this_step.clear()
+        for req_id, keep in WORKER_STATE.offloaded_this_step.items():
+            request = WORKER_STATE.offloaded.get(req_id)
+            if request is None:
+                continue
+            counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], request.live_blocks())
+            released = request.release_tail(keep)
+            keep_blocks[req_id] = keep
+            counters["released_blocks"] += released
+            counters["released_bytes"] += released * WORKER_STATE.block_bytes
+        WORKER_STATE.offloaded_this_step.clear()
         return BlockReleases(keep_blocks) if keep_blocks else None
 
     def get_kv_connector_stats(self) -> KVPolicyStats | None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.paging import RequestPages
+from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages
 from kvpolicy.policies import Policy
 
 
@@ -26,13 +26,40 @@ class CarriedState:
         return cls([0] * num_layers, [None] * num_layers, [None] * num_layers)
 
 
+@dataclass(frozen=True)
+class PageSpace:
+    """vLLM's whole KV buffer (every layer) as one-head pages, [pages, 1, block_size, 2*head_size];
+    layer ``l``'s block ``b``, head ``h`` is page ``layer_base[l] + b*H + h``."""
+
+    pages: torch.Tensor
+    layer_base: list[int]
+
+    @classmethod
+    def of(cls, kv_caches: list[torch.Tensor]) -> "PageSpace":
+        first = kv_caches[0]
+        num_blocks, heads, block_size, width = first.shape
+        page_elems = block_size * width
+        storage = first.untyped_storage()
+        num_pages = storage.nbytes() // first.element_size() // page_elems
+        pages = torch.empty(0, dtype=first.dtype).set_(storage, 0, (num_pages, 1, block_size, width))
+        bases = []
+        for cache in kv_caches:
+            if cache.untyped_storage().data_ptr() != storage.data_ptr() or not cache.is_contiguous():
+                raise RuntimeError("--kv-offload needs every layer's KV cache in one contiguous buffer")
+            if cache.storage_offset() % page_elems:
+                raise RuntimeError("a layer's KV cache does not start at a page boundary of the shared buffer")
+            bases.append(cache.storage_offset() // page_elems)
+        return cls(pages, bases)
+
+
 @dataclass
 class WorkerState:
     """Per worker process: the policy, the model runner (to map batch rows to
     request ids), the page tables of relocated requests, the observation-window
     queries of prompts still being read, what each layer observed of a prompt
     for policies that budget across layers, what policies that evict in
-    decode carry, and counters for the metrics."""
+    decode carry, OmniKV's offloaded requests and host pool, and counters
+    for the metrics."""
 
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
@@ -42,6 +69,10 @@ class WorkerState:
     observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
     carried: dict[str, CarriedState] = field(default_factory=dict)
     relocated_this_step: dict[str, bool] = field(default_factory=dict)  # req id -> the prompt completed
+    offloaded: dict[str, OffloadedRequest] = field(default_factory=dict)
+    offloaded_this_step: dict[str, int] = field(default_factory=dict)  # req id -> blocks it keeps
+    host: HostPagePool | None = None
+    _page_space: PageSpace | None = None
     block_bytes: int = 0
     counters: Counter = field(default_factory=Counter)
 
@@ -53,6 +84,9 @@ class WorkerState:
         self.window_queries.clear()
         self.observed.clear()
         self.carried.clear()
+        self.offloaded.clear()
+        self.host = None
+        self._page_space = None
 
     @property
     def relocates(self) -> bool:
@@ -61,6 +95,28 @@ class WorkerState:
     @property
     def selects_context(self) -> bool:
         return self.policy is not None and self.policy.selects_context and self.runner is not None
+
+    @property
+    def offloads(self) -> bool:
+        return self.selects_context and self.config.offload is not None
+
+    def page_space(self) -> PageSpace:
+        if self._page_space is None:
+            self._page_space = PageSpace.of(self.runner.kv_caches)
+        return self._page_space
+
+    def host_pool(self) -> HostPagePool:
+        """The host tier, ``--kv-offload`` GiB of one-head pages, made at first use."""
+        if self.host is None:
+            pages = self.page_space().pages
+            page_bytes = pages[0].nbytes
+            self.host = HostPagePool(
+                int(self.config.offload * 2**30) // page_bytes,
+                pages[0].numel(),
+                pages.dtype,
+                pin=torch.cuda.is_available(),
+            )
+        return self.host
 
     def stash_window(self, req_id: str, layer: int, queries: torch.Tensor) -> None:
         self.window_queries.setdefault(req_id, {}).setdefault(layer, []).append(queries)
@@ -84,6 +140,9 @@ class WorkerState:
             self.window_queries.pop(req_id, None)
             self.observed.pop(req_id, None)
             self.carried.pop(req_id, None)
+            offloaded = self.offloaded.pop(req_id, None)
+            if offloaded is not None:
+                self.host.release(offloaded.host_page_ids(), offloaded.host_reserved)
 
     def take_counters(self) -> dict[str, int]:
         taken = dict(self.counters)

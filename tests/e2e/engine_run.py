@@ -83,6 +83,7 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens")
     parser.add_argument("--filter-layers", default=None, help="omnikv: comma-separated filter layers")
+    parser.add_argument("--offload", type=float, default=None, help="omnikv: host pool GiB (--kv-offload)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -105,6 +106,8 @@ def main() -> int:
         kwargs["kv_cache_memory_bytes"] = args.pool_mib << 20
     if args.filter_layers:
         kwargs["kv_filter_layers"] = tuple(int(layer) for layer in args.filter_layers.split(","))
+    if args.offload:
+        kwargs["kv_offload"] = args.offload
     llm = LLM(
         args.model,
         dtype="float32",

@@ -33,3 +33,33 @@ def test_a_filter_layer_the_model_lacks_is_refused_before_loading(engine_run):
     stderr = engine_run("--policy", "omnikv", "--budget", "256", "--filter-layers", "2,40", fails=True)
     assert "--kv-filter-layers [40] out of range" in stderr
     assert "python -m kvpolicy.calibrate" in stderr
+
+
+#: Prompts that cross a page boundary while decoding (1140 + 40 > 9 pages, 380 + 40 > 3 pages), so the
+#: sparse layers' full tail pages go to the host pool mid-decode.
+CROSSING = ("--prompt-lens", "40", "1140", "700", "380", "--max-tokens", "40")
+SPARSE = ("--policy", "omnikv", "--budget", "256", *CROSSING)
+
+
+def test_offload_gives_the_same_outputs_and_returns_blocks_to_vllm(engine_run):
+    resident, offloaded = engine_run(*SPARSE), engine_run(*SPARSE, "--offload", "1")
+    counters = offloaded["counters"]
+    assert counters["offloaded_requests"] == 3, "every prompt over the budget moved to the host pool"
+    # At the offload, 22 sparse layers x 3 heads x (8 + 5 + 2) completed pages; then two tails fill.
+    assert counters["offloaded_kv_pages"] == 22 * 3 * (8 + 5 + 2) + 2 * 22 * 3
+    assert counters["loaded_kv_pages"] > 0 and counters["offload_refused"] == 0
+    assert counters["released_blocks"] > 0, "the offloaded requests hold fewer of vLLM's blocks"
+    assert offloaded["kv_cache_usage_end"] == 0.0
+    assert counters["selected_pages"] == resident["counters"]["selected_pages"]
+    for i, (a, b) in enumerate(zip(resident["requests"], offloaded["requests"])):
+        assert a == b, f"request {i}: tokens or logprobs differ with --kv-offload"
+
+
+def test_requests_the_host_pool_cannot_take_stay_resident_beside_offloaded_ones(engine_run):
+    # 0.07 GiB holds 1146 pages of 64 KiB; a request reserves 22 x 3 x 15 = 990 (up to 2048 tokens).
+    resident, mixed = engine_run(*SPARSE), engine_run(*SPARSE, "--offload", "0.07")
+    counters = mixed["counters"]
+    assert counters["offloaded_requests"] == 1 and counters["offload_refused"] == 2
+    assert mixed["kv_cache_usage_end"] == 0.0
+    for i, (a, b) in enumerate(zip(resident["requests"], mixed["requests"])):
+        assert a == b, f"request {i}: tokens or logprobs differ in a batch of offloaded and resident rows"

@@ -41,7 +41,7 @@ def test_serve_help_lists_the_kv_options():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--kv-policy", "--kv-budget", "--kv-ratio", "--kv-window", "--kv-pool-kernel",
-                 "--kv-sink-tokens", "--kv-recent-tokens"):
+                 "--kv-sink-tokens", "--kv-recent-tokens", "--kv-offload"):
         assert flag in out.stdout
 
 
@@ -54,6 +54,8 @@ def test_serve_help_lists_the_kv_options():
         (["--kv-policy", "identity", "--kv-budget", "9000", "--max-model-len", "2048"],
          "--kv-budget 9000 is larger than --max-model-len 2048"),
         (["--kv-policy", "identity", "--enable-prefix-caching"], "drop --enable-prefix-caching"),
+        (["--kv-policy", "omnikv", "--kv-budget", "512", "--kv-offload", "2", "--enable-prefix-caching"],
+         "--kv-policy omnikv --kv-offload relocates KV pages"),
     ],
 )
 def test_bad_options_fail_before_the_model_loads(model_path, args, message):

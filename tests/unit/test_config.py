@@ -26,6 +26,15 @@ def test_bad_values_are_rejected(options, message):
         KVPolicyConfig(policy="identity", **options)
 
 
+def test_offload_is_an_omnikv_host_pool_size():
+    with pytest.raises(KVPolicyConfigError, match="--kv-offload applies to --kv-policy omnikv, not snapkv"):
+        KVPolicyConfig(policy="snapkv", budget=256, offload=1.0)
+    with pytest.raises(KVPolicyConfigError, match="size in GiB, > 0"):
+        KVPolicyConfig(policy="omnikv", budget=256, offload=0.0)
+    assert KVPolicyConfig(policy="omnikv", budget=256, offload=2.0).rewrites_blocks
+    assert not KVPolicyConfig(policy="omnikv", budget=256).rewrites_blocks
+
+
 def test_budget_larger_than_the_context_is_rejected():
     with pytest.raises(KVPolicyConfigError, match="larger than --max-model-len 4096"):
         KVPolicyConfig(policy="identity", budget=5000).check_model_len(4096)
