@@ -67,3 +67,21 @@ def test_bad_options_fail_before_the_model_loads(model_path, args, message):
     assert out.returncode != 0
     assert message in out.stderr + out.stdout
     assert "Loading weights" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, field, value",
+    [
+        (["--kv-policy", "d2o", "--kv-budget", "256", "--kv-merge", "false"], "merge", False),
+        (["--kv-policy", "omnikv", "--kv-budget", "512", "--kv-offload", "2"], "offload", 2.0),
+    ],
+)
+def test_options_of_one_policy_parse_on_the_command_line(args, field, value):
+    import argparse
+
+    from kvpolicy.vllm.args import add_arguments, config_from_options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_options(vars(parser.parse_args(args)))
+    assert getattr(config, field) == value
