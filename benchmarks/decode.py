@@ -4,13 +4,17 @@
     python benchmarks/decode.py           # contexts 2K, 4K and 7.6K, budgets 512 and 1024
     python benchmarks/decode.py --quick --filter-layers 2 --out benchmarks/results/decode_one_filter.json
 
-One engine (``--kv-policy omnikv``, prefix caching on), in this process,
-stepped by hand. For each context length, four passkey prompts (key at 20%,
-40%, 60%, 80% depth) are read once; every configuration then decodes them
-again from the prefix cache, so the prompts are read once per context, not
-once per configuration. The full-cache rows are the same engine with a
-per-request ``kv_budget`` at least the context, which takes vLLM's stock
-attention path exactly (``tests/e2e/test_omnikv.py`` checks it bit for bit).
+Two engines, one after the other, each in its own process and stepped by
+hand there. The first (``--kv-policy omnikv``, prefix caching on): for each
+context length, four passkey prompts (key at 20%, 40%, 60%, 80% depth) are
+read once; every configuration then decodes them again from the prefix
+cache, so the prompts are read once per context, not once per
+configuration. The full-cache rows are that engine with a per-request
+``kv_budget`` at least the context, which takes vLLM's stock attention path
+exactly (``tests/e2e/test_omnikv.py`` checks it bit for bit). The second adds
+``--kv-offload`` (sparse layers in a host pool), which rewrites the request's
+blocks, so prefix caching is off there and the prompts are read again: it
+runs the largest budget only.
 
 Per configuration: ``STEPS`` decode steps with all four requests running
 (batch 4), then three are aborted and the fourth runs ``STEPS`` more
@@ -19,15 +23,18 @@ gets one token per step; the median, because this shared machine's step
 times jump by tens of percent between runs); ``decode_tokens_per_s``: batch / that.
 ``needle_correct``: the fraction of the four whose first 12 tokens hold their
 key; ``same_answers``: the fraction whose first 12 tokens equal the full
-cache's (the answers themselves are in the JSON). Writes ``benchmarks/results/decode.json``, a markdown table and
-``decode.png``.
+cache's (the answers themselves are in the JSON); ``blocks_held``: vLLM KV
+blocks in use at the end of the batch-4 steps. Writes
+``benchmarks/results/decode.json``, a markdown table and ``decode.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +47,14 @@ DEPTHS = [0.2, 0.4, 0.6, 0.8]
 STEPS = 24
 ANSWER_TOKENS = 12
 MAX_MODEL_LEN = 8192
+#: The offload engine's host pool: four 8K requests reserve about 1.1 GiB.
+HOST_GIB = 2.0
+OFFLOAD = "omnikv --kv-offload"
 #: Pages the sparse layers read, and the context pages they chose from (omnikv's counters).
 PAGE_COUNTERS = ("vllm:kvpolicy_selected_pages", "vllm:kvpolicy_context_pages")
 COLUMNS = [
     "policy", "budget", "context", "batch", "decode_tokens_per_s", "ms_per_token", "needle_correct",
-    "same_answers", "pages_read",
+    "same_answers", "pages_read", "blocks_held",
 ]
 
 
@@ -73,14 +83,17 @@ def decode(llm, prompts: list[dict], budget: int, tag: str) -> tuple[list[dict],
     while min(lengths.values()) < 1:
         step()
     rows = []
+    num_blocks = engine.vllm_config.cache_config.num_gpu_blocks
     for batch in (len(ids), 1):
         before = [metric_total(llm.get_metrics(), name) for name in PAGE_COUNTERS]
         times = [step() for _ in range(STEPS)]
-        after = [metric_total(llm.get_metrics(), name) for name in PAGE_COUNTERS]
+        metrics = llm.get_metrics()
+        after = [metric_total(metrics, name) for name in PAGE_COUNTERS]
         selected, context = (a - b for a, b in zip(after, before))
         ms = 1000 * statistics.median(times)
         rows.append({"batch": batch, "ms_per_token": ms, "decode_tokens_per_s": 1000 * batch / ms,
-                     "pages_read": selected / context if context else 1.0})
+                     "pages_read": selected / context if context else 1.0,
+                     "blocks_held": round(metric_total(metrics, "vllm:kv_cache_usage_perc") * num_blocks)})
         if batch > 1:
             while min(lengths.values()) < ANSWER_TOKENS:
                 step()
@@ -119,17 +132,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="contexts 4K and 7.6K, budget 1024")
-    parser.add_argument("--contexts", nargs="+", type=int, default=None)
-    parser.add_argument("--budgets", nargs="+", type=int, default=None, help="omnikv tokens per sparse layer")
-    parser.add_argument("--filter-layers", default=None, help="omnikv filter layers, e.g. 2 (default: the calibrated ones)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "decode.json")
-    args = parser.parse_args()
-    contexts = args.contexts or ([4096, 7600] if args.quick else [2048, 4096, 7600])
-    budgets = args.budgets or ([1024] if args.quick else [512, 1024])
-
+def run_engine(args) -> dict:
+    """One engine, in this process: the rows of every (context, budget) it serves, and its settings."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # steps timed here, not across a process boundary
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
     import kvpolicy.vllm  # noqa: F401
@@ -138,32 +142,72 @@ def main() -> int:
 
     from kvpolicy.model import prepare
 
+    offload = args.engine == "offload"
     llm = LLM(
-        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
-        kv_cache_memory_bytes=4 << 30, max_num_seqs=len(DEPTHS), seed=0, disable_log_stats=False,
-        kv_policy="omnikv", kv_budget=max(budgets),
+        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=not offload, kv_cache_memory_bytes=4 << 30, max_num_seqs=len(DEPTHS), seed=0,
+        disable_log_stats=False, kv_policy="omnikv", kv_budget=max(args.budgets),
+        **({"kv_offload": HOST_GIB} if offload else {}),
         **({"kv_filter_layers": tuple(map(int, args.filter_layers.split(",")))} if args.filter_layers else {}),
     )
     tokenizer = llm.get_tokenizer()
-    config = llm.llm_engine.vllm_config.additional_config["kv_policy"]
     rows = []
-    grid = [(context, budget) for context in contexts for budget in [None, *budgets]]
-    full_answers = {}
-    for context, budget in tqdm(grid, desc="configurations", unit="config"):
+    budgets = [max(args.budgets)] if offload else [None, *args.budgets]
+    grid = [(context, budget) for context in args.contexts for budget in budgets]
+    for context, budget in tqdm(grid, desc=f"{args.engine} engine", unit="config"):
         prompts = passkey_prompts(tokenizer, DEPTHS, context, ANSWER_QUESTION)
         timing, texts = decode(llm, prompts, budget or MAX_MODEL_LEN, f"{context}-{budget}")
         answers = first_answers(tokenizer, texts)
-        full_answers.setdefault(context, answers)  # the full cache runs first at each context
         needle = sum(item["key"] in answer for item, answer in zip(prompts, answers)) / len(prompts)
-        same = sum(a == b for a, b in zip(answers, full_answers[context])) / len(prompts)
+        policy = OFFLOAD if offload else "omnikv" if budget else "full cache"
         for row in timing:
-            rows.append({"policy": "omnikv" if budget else "full cache", "budget": budget, "context": context,
-                         **row, "needle_correct": needle, "same_answers": same, "answers": answers})
+            rows.append({"policy": policy, "budget": budget, "context": context, **row,
+                         "needle_correct": needle, "answers": answers})
+    config = llm.llm_engine.vllm_config.additional_config["kv_policy"]
     settings = {
-        "contexts": contexts, "budgets": budgets, "depths": DEPTHS, "steps": STEPS, "quick": args.quick,
         "filter_layers": list(config["filter_layers"]), "dense_layers": config["dense_layers"],
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
     }
+    return {"rows": rows, "settings": settings}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="contexts 4K and 7.6K, budget 1024")
+    parser.add_argument("--contexts", nargs="+", type=int, default=None)
+    parser.add_argument("--budgets", nargs="+", type=int, default=None, help="omnikv tokens per sparse layer")
+    parser.add_argument("--filter-layers", default=None, help="omnikv filter layers, e.g. 2 (default: the calibrated ones)")
+    parser.add_argument("--no-offload", action="store_true", help="skip the --kv-offload engine")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "decode.json")
+    parser.add_argument("--engine", choices=("cached", "offload"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.contexts = args.contexts or ([4096, 7600] if args.quick else [2048, 4096, 7600])
+    args.budgets = args.budgets or ([1024] if args.quick else [512, 1024])
+    if args.engine:
+        args.engine_out.write_text(json.dumps(run_engine(args)))
+        return 0
+
+    rows, settings = [], {}
+    engine_out = args.out.with_suffix(".engine.tmp")
+    for engine in ["cached"] if args.no_offload else ["cached", "offload"]:
+        cmd = [sys.executable, __file__, "--engine", engine, "--engine-out", str(engine_out),
+               "--contexts", *map(str, args.contexts), "--budgets", *map(str, args.budgets)]
+        if args.filter_layers:
+            cmd += ["--filter-layers", args.filter_layers]
+        if subprocess.run(cmd).returncode != 0:
+            raise SystemExit(f"the {engine} engine failed")
+        result = json.loads(engine_out.read_text())
+        rows += result["rows"]
+        settings.update(result["settings"])
+    engine_out.unlink(missing_ok=True)
+    rows.sort(key=lambda row: row["context"])
+    full_answers = {row["context"]: row["answers"] for row in rows if row["policy"] == "full cache"}
+    for row in rows:
+        full = full_answers[row["context"]]
+        row["same_answers"] = sum(a == b for a, b in zip(row["answers"], full)) / len(full)
+    settings = {"contexts": args.contexts, "budgets": args.budgets, "depths": DEPTHS, "steps": STEPS,
+                "quick": args.quick, "host_gib": None if args.no_offload else HOST_GIB, **settings}
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
 
