@@ -1,5 +1,6 @@
 """OmniKV in the real engine: with every page selected it is stock vLLM bit for bit; with a small budget
-the sparse layers really read fewer pages; a filter layer the model lacks is refused at startup."""
+the sparse layers really read fewer pages; a filter layer the model lacks is refused at startup. With
+--kv-offload the outputs stay the same while blocks go back to vLLM, through preemption too."""
 
 from tests.e2e.engine_run import PROMPT_LENS
 
@@ -63,3 +64,22 @@ def test_requests_the_host_pool_cannot_take_stay_resident_beside_offloaded_ones(
     assert mixed["kv_cache_usage_end"] == 0.0
     for i, (a, b) in enumerate(zip(resident["requests"], mixed["requests"])):
         assert a == b, f"request {i}: tokens or logprobs differ in a batch of offloaded and resident rows"
+
+
+#: A 16-block pool (2,048 tokens) for the default prompts (23 blocks in all) and 200 output tokens each.
+TIGHT = ("--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "200")
+
+
+def test_blocks_offload_returns_let_vllm_run_without_preempting(engine_run):
+    resident, offloaded = engine_run(*TIGHT), engine_run(*TIGHT, "--offload", "1")
+    assert resident["preemptions"] > 0, "the resident path needs more blocks than the pool has"
+    assert offloaded["preemptions"] == 0 and offloaded["counters"]["released_blocks"] > 0
+    for i, (a, b) in enumerate(zip(resident["requests"], offloaded["requests"])):
+        assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
+
+
+def test_preempted_offloaded_requests_are_offloaded_again_and_every_block_returns(engine_run):
+    run = engine_run("--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "500", "--offload", "1")
+    assert run["preemptions"] > 0
+    assert run["counters"]["offloaded_requests"] > 3, "a recomputed request moves to the host pool again"
+    assert run["kv_cache_usage_end"] == 0.0
