@@ -2,8 +2,9 @@
 
 With ``--kv-offload`` a request keeps in vLLM's KV pool (the device): every
 page of its full-attention layers, one tail page per (sparse layer, kv head)
-where that layer's new tokens are written, and staging pages that a sparse
-layer's selected context is copied into before it attends. The completed
+where that layer's new tokens are written, and per sparse layer the staging
+pages its selected context is copied into before it attends; a page still
+selected at the next step stays there and is not copied again. The completed
 pages of the sparse layers sit in the host pool. A vLLM block spans every
 layer, so this frees blocks only when pages are shared across layers: page
 ids here are global over vLLM's one KV buffer (layer ``l``, block ``b``, head
@@ -105,7 +106,8 @@ class OffloadedRequest:
         self.length = 0
         self.pages: list[list[list[int]]] = []  # full layers: every page; sparse layers: [tail page]
         self.host_pages: list[list[list[int]]] = []  # sparse layers: completed pages, in position order
-        self.staging: list[list[int]] = [[] for _ in range(num_heads)]
+        self.staging: list[list[list[int]]] = []  # sparse layers: [head][slot] device pages
+        self.staged: list[list[int]] = []  # sparse layers: [slot] the context page index staged there, or -1
         self.free: list[int] = []
         self.host_reserved = 0
 
@@ -138,7 +140,7 @@ class OffloadedRequest:
                     to_host.append((self._page(layer, self.blocks[i], h), page))
                     self.host_pages[layer][h].append(page)
         num_full = self.num_layers - len(sparse)
-        needed = heads * (num_full * num_pages + len(sparse) + staging_pages)
+        needed = heads * (num_full * num_pages + len(sparse) * (1 + staging_pages))
         keep = min(math.ceil(needed / (self.num_layers * heads)) + 1, len(self.blocks))
         staying = {
             self._page(layer, self.blocks[i], h)
@@ -164,15 +166,21 @@ class OffloadedRequest:
                     self.pages[layer][h].append(tail)
         self.free = free
         self.length = length
-        self._grow_staging(staging_pages)
+        self.staging = [[[] for _ in range(heads)] for _ in range(self.num_layers)]
+        self.staged = [[] for _ in range(self.num_layers)]
+        for layer in sparse:
+            self._grow_staging(layer, staging_pages)
         return OffloadPlan(PageCopies.of(to_host), PageCopies.of(on_device), keep)
 
-    def _grow_staging(self, count: int) -> None:
-        for staging in self.staging:
-            missing = count - len(staging)
-            if missing > len(self.free):
-                raise RuntimeError("no free page left for staging: the offloaded request outgrew its blocks")
-            staging.extend(self.free.pop() for _ in range(max(missing, 0)))
+    def _grow_staging(self, layer: int, count: int) -> None:
+        missing = count - len(self.staged[layer])
+        if missing <= 0:
+            return
+        if missing * self.num_heads > len(self.free):
+            raise RuntimeError("no free page left for staging: the offloaded request outgrew its blocks")
+        for staging in self.staging[layer]:
+            staging.extend(self.free.pop() for _ in range(missing))
+        self.staged[layer].extend([-1] * missing)
 
     def add_blocks(self, blocks: Sequence[int]) -> None:
         """Blocks vLLM appended as the request grew: all their pages are free."""
@@ -214,14 +222,27 @@ class OffloadedRequest:
         return self.pages[layer]
 
     def sparse_call(self, layer: int, chosen: Sequence[int]) -> SparseCall:
-        """What a sparse layer reads: the selected page indices ``chosen`` (ascending, the current page last)."""
+        """What a sparse layer reads: the selected page indices ``chosen`` (ascending, the current page
+        last). Completed pages already staged for this layer are reused; the others replace pages
+        no longer selected."""
         completed = list(chosen[:-1])
-        self._grow_staging(len(completed))
-        loads, table = [], []
-        for h in range(self.num_heads):
-            staging = self.staging[h][: len(completed)]
-            loads.extend(zip((self.host_pages[layer][h][i] for i in completed), staging))
-            table.append([*staging, self.pages[layer][h][0]])
+        self._grow_staging(layer, len(completed))
+        staged = self.staged[layer]
+        wanted = set(completed)
+        slot_of = {index: slot for slot, index in enumerate(staged) if index in wanted}
+        open_slots = [slot for slot, index in enumerate(staged) if index not in wanted]
+        staging = self.staging[layer]
+        loads = []
+        for index in completed:
+            if index not in slot_of:
+                slot = open_slots.pop()
+                staged[slot] = index
+                slot_of[index] = slot
+                loads.extend((self.host_pages[layer][h][index], staging[h][slot]) for h in range(self.num_heads))
+        table = [
+            [*(staging[h][slot_of[index]] for index in completed), self.pages[layer][h][0]]
+            for h in range(self.num_heads)
+        ]
         current = self.length - (math.ceil(self.length / self.block_size) - 1) * self.block_size
         return SparseCall(PageCopies.of(loads), table, len(completed) * self.block_size + current)
 
@@ -235,7 +256,7 @@ class OffloadedRequest:
                 gone.update(self._block_pages(block))
                 self.blocks[position] = None
                 released += 1
-        in_use = {p for layer in self.pages for head in layer for p in head} | {p for s in self.staging for p in s}
+        in_use = {p for tables in (self.pages, self.staging) for layer in tables for head in layer for p in head}
         if gone & in_use:
             raise RuntimeError("a released block still holds pages of the request")
         self.free = [p for p in self.free if p not in gone]

@@ -45,10 +45,10 @@ def test_offload_puts_every_page_where_the_request_reads_it_and_frees_blocks():
             else:
                 assert host.pages[request.host_pages[layer][head], 0].tolist() == [stamp(layer, i, head) for i in range(5)]
                 assert device[request.pages[layer][head][0], 0].item() == stamp(layer, 5, head)
-    # Per head 2 full layers x 6 pages + 2 tails + 1 staging page: 30 pages, 4 blocks of 8, and a spare.
+    # Per head 2 full layers x 6 pages + 2 tails + 2 x 1 staging page: 16 pages, 4 blocks of 8, and a spare.
     assert plan.keep_blocks == 5
     kept = {BASE[layer] + b * H + h for layer in range(L) for b in blocks[:5] for h in range(H)}
-    used = [p for layer in request.pages for head in layer for p in head] + [p for s in request.staging for p in s]
+    used = [p for tables in (request.pages, request.staging) for layer in tables for head in layer for p in head]
     assert len(used) == len(set(used)) and set(used) <= kept
     assert request.release_tail(plan.keep_blocks) == 1 and request.live_blocks() == 5
 
@@ -70,9 +70,17 @@ def test_decode_flushes_full_tails_and_sparse_calls_read_the_selection():
         assert flushes[layer].src.numel() == 0
         assert slots[layer, 1].item() == request.full_table(layer)[1][4] * BS  # a fifth page, offset 0
     call = request.sparse_call(2, [0, 2, 4])
-    assert call.loads.src.tolist() == [request.host_pages[2][h][i] for h in range(H) for i in (0, 2)]
-    assert call.table[1] == [*request.staging[1][:2], request.pages[2][1][0]]
+    assert call.loads.src.tolist() == [request.host_pages[2][h][i] for i in (0, 2) for h in range(H)]
     assert call.seq_len == 2 * BS + 1
+    device[call.loads.dst] = host.pages[call.loads.src]
+    for h in range(H):
+        assert device[call.table[h], 0].tolist()[:2] == [stamp(2, 0, h), stamp(2, 2, h)]
+        assert call.table[h][-1] == request.pages[2][h][0]
+    again = request.sparse_call(2, [2, 3, 4])  # page 2 is still staged: only page 3 is copied
+    assert again.loads.src.tolist() == [request.host_pages[2][h][3] for h in range(H)]
+    device[again.loads.dst] = host.pages[again.loads.src]
+    for h in range(H):
+        assert device[again.table[h][:2], 0].tolist() == [stamp(2, 2, h), stamp(2, 3, h)]
 
 
 def test_a_full_host_pool_refuses_the_request_and_changes_nothing():
