@@ -65,6 +65,16 @@ class PageCopies:
         src, dst = zip(*pairs) if pairs else ((), ())
         return cls(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
 
+    @classmethod
+    def cat(cls, parts: Sequence["PageCopies"]) -> "PageCopies":
+        return cls(torch.cat([part.src for part in parts]), torch.cat([part.dst for part in parts]))
+
+    def apply(self, source: torch.Tensor, target: torch.Tensor) -> int:
+        """Copy the pages, pools viewed as [pages, page_elems]; every source is read before any
+        destination is written. Returns how many pages were copied."""
+        target[self.dst] = source[self.src]
+        return self.src.numel()
+
 
 @dataclass(frozen=True)
 class OffloadPlan:

@@ -375,10 +375,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             requests=requests,
             budgets=[budget for _, _, budget in rows],
             slots=torch.stack(slots, dim=1).reshape(self.num_layers, -1),
-            flushes=[
-                PageCopies(torch.cat([f[layer].src for f in flushes]), torch.cat([f[layer].dst for f in flushes]))
-                for layer in range(self.num_layers)
-            ],
+            flushes=[PageCopies.cat([row[layer] for row in flushes]) for layer in range(self.num_layers)],
             full=full,
             schedule=schedule,
         )
@@ -510,11 +507,15 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         return metadata if isinstance(metadata, KVPolicyMetadata) else None
 
     @staticmethod
-    def _split(kv_cache: torch.Tensor, one_head: bool):
+    def _split(kv_cache: torch.Tensor):
+        """K and V halves of a cache [blocks, heads, block_size, 2*head_size], as the CPU ops take them."""
         num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-        if one_head:
-            kv_cache = kv_cache.view(num_blocks * num_kv_heads, 1, block_size, width)
-        return kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 2 * block_size, -1).chunk(2, dim=2)
+        return kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+
+    @staticmethod
+    def _one_head_pages(kv_cache: torch.Tensor) -> torch.Tensor:
+        """A layer's cache as one-head pages [blocks * heads, 1, block_size, 2*head_size]: page ``b*H + h``."""
+        return kv_cache.view(-1, 1, *kv_cache.shape[2:])
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         metadata = self._metadata(layer)
@@ -526,14 +527,12 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         if stock_idx.numel():
             super().do_kv_cache_update(layer, key[stock_idx], value[stock_idx], kv_cache, slot_mapping[stock_idx])
         if metadata.per_head is not None:
-            pages = kv_cache.view(-1, 1, *kv_cache.shape[2:])
+            pages = self._one_head_pages(kv_cache)
         else:
             pages = WORKER_STATE.page_space().pages
             flush = metadata.offloaded.flushes[layer_idx]
-            if flush.src.numel():
-                WORKER_STATE.host.pages[flush.dst] = pages.view(pages.shape[0], -1)[flush.src]
-                WORKER_STATE.counters["offloaded_kv_pages"] += flush.src.numel()
-        key_cache, value_cache = self._split(pages, one_head=False)
+            WORKER_STATE.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), WORKER_STATE.host.pages)
+        key_cache, value_cache = self._split(pages)
         heads = self.num_kv_heads
         ops.cpu_attn_reshape_and_cache(
             key.reshape(-1, heads, self.head_size)[heads_batch.token_of, heads_batch.head_of].unsqueeze(1),
@@ -591,7 +590,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         """One call over a subset of the batch's rows in vLLM's own layout; results written into ``out``."""
         if batch.token_idx.numel():
             rows_out = torch.empty_like(query[batch.token_idx])
-            self._attend(layer, query[batch.token_idx], rows_out, *self._split(kv_cache, one_head=False), batch)
+            self._attend(layer, query[batch.token_idx], rows_out, *self._split(kv_cache), batch)
             out[batch.token_idx] = rows_out
 
     def _attend_heads(self, layer, query, out, pages, batch: AttentionBatch, token_of, head_of) -> None:
@@ -600,7 +599,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         by_kv_head = (-1, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
         head_query = query.view(by_kv_head)[token_of, head_of]
         head_out = torch.empty_like(head_query)
-        self._attend(layer, head_query, head_out, *self._split(pages, one_head=False), batch)
+        self._attend(layer, head_query, head_out, *self._split(pages), batch)
         out.view(by_kv_head)[token_of, head_of] = head_out
 
     def _forward_mixed(self, layer, query, kv_cache, metadata: KVPolicyMetadata, output) -> None:
@@ -608,7 +607,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         self._attend_rows(layer, query, out, kv_cache, metadata.stock)
         per_head = metadata.per_head
         batch = per_head.layers[extract_layer_index(layer.layer_name)]
-        pages = kv_cache.view(-1, 1, *kv_cache.shape[2:])
+        pages = self._one_head_pages(kv_cache)
         self._attend_heads(layer, query, out, pages, batch, per_head.token_of, per_head.head_of)
 
     def _forward_selecting(self, layer, query, key, value, kv_cache, metadata: KVPolicyMetadata, output):
@@ -664,7 +663,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         num_pages = -(-lengths // block_size)
         table = context.block_table.long()[:, : int(num_pages.max())]
         page_ids = table[:, None, :] * heads + torch.arange(heads)[None, :, None]
-        pages = kv_cache.view(-1, 1, block_size, width)
+        pages = self._one_head_pages(kv_cache)
         chosen = self._choose_pages(isa, query, pages, page_ids, context.token_idx, lengths, context.budgets)
         block_table = torch.zeros(len(chosen), max(c.numel() for c in chosen), dtype=context.block_table.dtype)
         for row, selected in enumerate(chosen):
@@ -686,11 +685,8 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
     def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:
         """Copy a sparse layer's selected pages from the host pool into staging; the call that reads them."""
         calls = [request.sparse_call(layer_idx, rows_pages.tolist()) for request, rows_pages in zip(offloaded.requests, chosen)]
-        src = torch.cat([call.loads.src for call in calls])
-        dst = torch.cat([call.loads.dst for call in calls])
-        flat = pages.view(pages.shape[0], -1)
-        flat[dst] = WORKER_STATE.host.pages[src]
-        WORKER_STATE.counters["loaded_kv_pages"] += int(src.numel())
+        loads = PageCopies.cat([call.loads for call in calls])
+        WORKER_STATE.counters["loaded_kv_pages"] += loads.apply(WORKER_STATE.host.pages, pages.flatten(1))
         heads = self.num_kv_heads
         table = padded_table([pages for call in calls for pages in call.table])
         seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
@@ -702,14 +698,12 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
     def _offload(self, pages, offloads: list[OffloadPlan]) -> None:
         """After the last layer: sparse layers' completed pages to the host, then the rest packed into
         the blocks each request keeps (every source read before any destination is written)."""
-        flat = pages.view(pages.shape[0], -1)
-        host = WORKER_STATE.host
+        flat = pages.flatten(1)
         WORKER_STATE.block_bytes = flat[0].nbytes * self.num_kv_heads * len(WORKER_STATE.page_space().layer_base)
         for plan in offloads:
-            host.pages[plan.to_host.dst] = flat[plan.to_host.src]
-            flat[plan.on_device.dst] = flat[plan.on_device.src]
+            WORKER_STATE.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, WORKER_STATE.host.pages)
+            plan.on_device.apply(flat, flat)
             WORKER_STATE.counters["offloaded_requests"] += 1
-            WORKER_STATE.counters["offloaded_kv_pages"] += int(plan.to_host.src.numel())
 
     def _add_attention(self, isa, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
         """Add each relocated request's new token's attention weights over its cache to its carried scores.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvpolicy.paging import OffloadedRequest, RequestPages
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
@@ -165,6 +166,14 @@ class KVPolicyPromMetrics(KVConnectorPromMetrics):
                 self._peaks[key][engine_idx].set(value)
 
 
+def _release_tail(request: RequestPages | OffloadedRequest, keep: int, counters) -> None:
+    """A request stops using its blocks from ``keep`` on; count them, and the most it held before."""
+    counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], request.live_blocks())
+    released = request.release_tail(keep)
+    counters["released_blocks"] += released
+    counters["released_bytes"] += released * WORKER_STATE.block_bytes
+
+
 class KVPolicyConnector(KVConnectorBase_V1):
     # Scheduler side: no external KV, nothing to load.
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -206,13 +215,8 @@ class KVPolicyConnector(KVConnectorBase_V1):
             pages = WORKER_STATE.requests.get(req_id)
             if pages is None:
                 continue
-            held = pages.live_blocks()
-            counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], held)
-            keep = pages.blocks_needed()
-            released = pages.release_tail(keep)
-            keep_blocks[req_id] = keep
-            counters["released_blocks"] += released
-            counters["released_bytes"] += released * WORKER_STATE.block_bytes
+            keep = keep_blocks[req_id] = pages.blocks_needed()
+            _release_tail(pages, keep, counters)
             if not prompt_done:
                 counters["eviction_passes"] += 1
                 continue
@@ -229,11 +233,8 @@ class KVPolicyConnector(KVConnectorBase_V1):
             request = WORKER_STATE.offloaded.get(req_id)
             if request is None:
                 continue
-            counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], request.live_blocks())
-            released = request.release_tail(keep)
             keep_blocks[req_id] = keep
-            counters["released_blocks"] += released
-            counters["released_bytes"] += released * WORKER_STATE.block_bytes
+            _release_tail(request, keep, counters)
         WORKER_STATE.offloaded_this_step.clear()
         return BlockReleases(keep_blocks) if keep_blocks else None
 

@@ -30,8 +30,8 @@ def offloaded(length: int, blocks: list[int], staging: int = 1):
     host = HostPagePool(64, 1, torch.float32)
     device = stock_buffer(blocks, -(-length // BS))
     plan = request.offload(length, host, staging, max_length=40)
-    host.pages[plan.to_host.dst] = device[plan.to_host.src]
-    device[plan.on_device.dst] = device[plan.on_device.src]
+    plan.to_host.apply(device, host.pages)
+    plan.on_device.apply(device, device)
     return request, host, device, plan
 
 
