@@ -24,7 +24,7 @@ times jump by tens of percent between runs); ``decode_tokens_per_s``: batch / th
 ``needle_correct``: the fraction of the four whose first 12 tokens hold their
 key; ``same_answers``: the fraction whose first 12 tokens equal the full
 cache's (the answers themselves are in the JSON); ``blocks_held``: vLLM KV
-blocks in use at the end of the batch-4 steps. Writes
+blocks in use at the end of that batch's steps. Writes
 ``benchmarks/results/decode.json``, a markdown table and ``decode.png``.
 """
 
