@@ -699,7 +699,6 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         """After the last layer: sparse layers' completed pages to the host, then the rest packed into
         the blocks each request keeps (every source read before any destination is written)."""
         flat = pages.flatten(1)
-        WORKER_STATE.block_bytes = flat[0].nbytes * self.num_kv_heads * len(WORKER_STATE.page_space().layer_base)
         for plan in offloads:
             WORKER_STATE.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, WORKER_STATE.host.pages)
             plan.on_device.apply(flat, flat)
@@ -736,8 +735,6 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         """
         layer_idx = extract_layer_index(layer.layer_name)
         num_layers = relocations[0].pages.num_layers
-        if layer_idx == 0:
-            WORKER_STATE.block_bytes = kv_cache[0].nbytes * num_layers
         policy = WORKER_STATE.policy
         for relocation in relocations:
             if relocation.num_tokens is None:

@@ -73,7 +73,6 @@ class WorkerState:
     offloaded_this_step: dict[str, int] = field(default_factory=dict)  # req id -> blocks it keeps
     host: HostPagePool | None = None
     _page_space: PageSpace | None = None
-    block_bytes: int = 0
     counters: Counter = field(default_factory=Counter)
 
     def configure(self, config: KVPolicyConfig | None, runner: Any) -> None:
@@ -99,6 +98,11 @@ class WorkerState:
     @property
     def offloads(self) -> bool:
         return self.selects_context and self.config.offload is not None
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one vLLM block: its pages in every layer."""
+        return sum(cache[0].nbytes for cache in self.runner.kv_caches)
 
     def page_space(self) -> PageSpace:
         if self._page_space is None:

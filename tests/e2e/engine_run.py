@@ -140,7 +140,16 @@ def main() -> int:
     counters = {m.name.removeprefix("vllm:kvpolicy_"): m.value for m in metrics if m.name.startswith("vllm:kvpolicy_")}
     usage = [m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"]
     preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
-    summary = {"counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions}
+    config = llm.llm_engine.vllm_config
+    hf = config.model_config.hf_config
+    block_bytes = (  # K and V of one block in every layer, float32
+        2 * hf.num_hidden_layers * hf.num_key_value_heads * config.cache_config.block_size * 4
+        * (hf.hidden_size // hf.num_attention_heads)
+    )
+    summary = {
+        "counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions,
+        "block_bytes": block_bytes,
+    }
     if args.capture:
         import torch
 
