@@ -1,6 +1,6 @@
 """Throughput with a KV pool small enough to be the bottleneck: policies x budgets, one engine each.
 
-    python benchmarks/throughput.py --quick      # ~10 min here: 5 requests, budget 256, 128 output tokens
+    python benchmarks/throughput.py --quick      # <10 min here: 5 requests, 5 configurations, budget 256, 128 output tokens
     python benchmarks/throughput.py              # 16 requests, budgets 128/256/512, 512 and 128 output tokens
 
 Every configuration runs in a fresh engine process (vLLM's offline ``LLM``
@@ -30,6 +30,8 @@ from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, write
 #: "stock" is vLLM without kvpolicy options; "none" is kvpolicy installed with --kv-policy none.
 POLICIES = ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
 UNBUDGETED = ("stock", "none", "identity")
+#: The quick run: stock vLLM, the per-head path's cost, and the uniform, adaptive and attention-free evictions.
+QUICK_POLICIES = ["stock", "identity", "snapkv", "adasnap", "streaming"]
 COLUMNS = [
     "policy", "budget", "output_len", "output_tokens_per_s", "peak_running", "preemptions",
     "mean_blocks_held", "memory_efficiency", "decode_ms_per_step", "ttft_s",
@@ -133,7 +135,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="budget 256 and 128 output tokens only")
-    parser.add_argument("--policies", nargs="+", default=None, help="default: all (quick: all but none)")
+    parser.add_argument("--policies", nargs="+", default=None, help=f"default: all (quick: {' '.join(QUICK_POLICIES)})")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--output-lens", nargs="+", type=int, default=None)
     parser.add_argument("--requests", type=int, default=None, help="concurrent requests (quick 5, full 16)")
@@ -156,7 +158,7 @@ def main() -> int:
     from tqdm import tqdm
 
     args.requests = args.requests or (5 if args.quick else 16)
-    policies = args.policies or ([p for p in POLICIES if p != "none"] if args.quick else POLICIES)
+    policies = args.policies or (QUICK_POLICIES if args.quick else POLICIES)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
     output_lens = args.output_lens or ([128] if args.quick else [512, 128])
     grid = [
