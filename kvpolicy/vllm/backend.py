@@ -658,7 +658,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
 
     def _select(self, isa, query, kv_cache, context: ContextSelection) -> AttentionBatch:
         """Score each decode row's context with its last token (eq. 3-4) and build the sparse call over its pages."""
-        num_blocks, heads, block_size, width = kv_cache.shape
+        heads, block_size = kv_cache.shape[1:3]
         lengths = context.seq_lens.long()
         num_pages = -(-lengths // block_size)
         table = context.block_table.long()[:, : int(num_pages.max())]

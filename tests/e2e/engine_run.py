@@ -141,10 +141,10 @@ def main() -> int:
     usage = [m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"]
     preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
     config = llm.llm_engine.vllm_config
-    hf = config.model_config.hf_config
-    block_bytes = (  # K and V of one block in every layer, float32
-        2 * hf.num_hidden_layers * hf.num_key_value_heads * config.cache_config.block_size * 4
-        * (hf.hidden_size // hf.num_attention_heads)
+    model = config.model_config
+    block_bytes = (  # K and V of one block in every layer
+        2 * model.hf_config.num_hidden_layers * model.hf_config.num_key_value_heads
+        * config.cache_config.block_size * model.get_head_size() * model.dtype.itemsize
     )
     summary = {
         "counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions,

@@ -72,13 +72,13 @@ def test_decode_flushes_full_tails_and_sparse_calls_read_the_selection():
     call = request.sparse_call(2, [0, 2, 4])
     assert call.loads.src.tolist() == [request.host_pages[2][h][i] for i in (0, 2) for h in range(H)]
     assert call.seq_len == 2 * BS + 1
-    device[call.loads.dst] = host.pages[call.loads.src]
+    call.loads.apply(host.pages, device)
     for h in range(H):
         assert device[call.table[h], 0].tolist()[:2] == [stamp(2, 0, h), stamp(2, 2, h)]
         assert call.table[h][-1] == request.pages[2][h][0]
     again = request.sparse_call(2, [2, 3, 4])  # page 2 is still staged: only page 3 is copied
     assert again.loads.src.tolist() == [request.host_pages[2][h][3] for h in range(H)]
-    device[again.loads.dst] = host.pages[again.loads.src]
+    again.loads.apply(host.pages, device)
     for h in range(H):
         assert device[again.table[h][:2], 0].tolist() == [stamp(2, 2, h), stamp(2, 3, h)]
 
