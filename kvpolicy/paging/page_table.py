@@ -44,6 +44,7 @@ class RequestPages:
         ]
         self.free: list[list[int]] = [[] for _ in range(num_layers)]
         self.relocated = [False] * num_layers
+        self._table: np.ndarray | None = None  # head_pages as an array; None once pages change
         self.add_blocks(blocks)
 
     def _pages_of(self, block: int) -> list[int]:
@@ -96,25 +97,29 @@ class RequestPages:
             dst.append(self._head_slots(layer, head, torch.arange(n, dtype=torch.int64)))
         self.free[layer] = pool[cursor:]
         self.relocated[layer] = True
+        self._table = None
         return TokenMoves(src, torch.cat(dst))
 
     def append(self, count: int = 1) -> np.ndarray:
-        """Room for ``count`` new tokens in every (layer, head); returns their slots, [layers, count, heads]."""
-        slots = np.empty((self.num_layers, count, self.num_heads), dtype=np.int64)
-        for layer in range(self.num_layers):
-            for head in range(self.num_heads):
-                length = int(self.lengths[layer, head])
-                pages = self.head_pages[layer][head]
-                missing = math.ceil((length + count) / self.block_size) - len(pages)
-                if missing > len(self.free[layer]):
-                    raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
-                pages.extend(self.free[layer][:missing])
-                del self.free[layer][:missing]
-                positions = np.arange(length, length + count)
-                page_ids = np.asarray(pages, dtype=np.int64)[positions // self.block_size]
-                slots[layer, :, head] = page_ids * self.block_size + positions % self.block_size
+        """Room for ``count`` new tokens in every (layer, head); returns their slots, [layers, count, heads].
+
+        Runs at every decode step of every relocated request: the slots come
+        from the page-table array in one lookup, and only heads that cross a
+        page boundary take a free page.
+        """
+        positions = self.lengths[:, :, None] + np.arange(count)  # [layers, heads, count]
+        page_counts = (self._page_table() >= 0).sum(axis=2)
+        missing = -(-(self.lengths + count) // self.block_size) - page_counts
+        for layer, head in np.argwhere(missing > 0):
+            free = self.free[layer]
+            if missing[layer, head] > len(free):
+                raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
+            self.head_pages[layer][head].extend(free[: missing[layer, head]])
+            del free[: missing[layer, head]]
+            self._table = None
+        page_ids = np.take_along_axis(self._page_table(), positions // self.block_size, axis=2)
         self.lengths += count
-        return slots
+        return (page_ids * self.block_size + positions % self.block_size).transpose(0, 2, 1)
 
     def blocks_needed(self) -> int:
         """Blocks to hold after relocation: the fullest layer's pages, plus one spare block.
@@ -150,12 +155,23 @@ class RequestPages:
     def kept_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def block_table(self, layer: int, width: int) -> np.ndarray:
-        """[heads, width] page ids of one layer, zero-padded."""
-        table = np.zeros((self.num_heads, width), dtype=np.int32)
-        for head, pages in enumerate(self.head_pages[layer]):
-            table[head, : len(pages)] = pages
-        return table
+    def _page_table(self) -> np.ndarray:
+        """``head_pages`` as one array [layers, heads, most pages], -1 past each head's pages."""
+        if self._table is None:
+            width = max(1, max(len(pages) for layer in self.head_pages for pages in layer))
+            table = np.full((self.num_layers, self.num_heads, width), -1, dtype=np.int64)
+            for layer, heads in enumerate(self.head_pages):
+                for head, pages in enumerate(heads):
+                    table[layer, head, : len(pages)] = pages
+            self._table = table
+        return self._table
+
+    def page_table(self, width: int) -> np.ndarray:
+        """[layers, heads, width] page ids of every layer, zero-padded: the per-head calls' block tables."""
+        table = self._page_table()[:, :, :width]
+        padded = np.zeros((self.num_layers, self.num_heads, width), dtype=np.int32)
+        padded[:, :, : table.shape[2]] = np.maximum(table, 0)
+        return padded
 
     def max_pages(self) -> int:
-        return max(len(p) for layer in self.head_pages for p in layer)
+        return int((self._page_table() >= 0).sum(axis=2).max())

@@ -428,6 +428,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         query_start_loc[1:] = query_lens.cumsum(0)
         lengths = np.stack([pages.lengths for _, _, pages, _ in rows], axis=1)
         width = max(pages.max_pages() for _, _, pages, _ in rows)
+        tables = torch.from_numpy(np.concatenate([pages.page_table(width) for _, _, pages, _ in rows], axis=1))
         layers, by_lengths = [], {}
         for layer in range(self.num_layers):
             seq_lens = torch.from_numpy(lengths[layer].reshape(-1).astype(np.int32))
@@ -436,10 +437,7 @@ class KVPolicyCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 by_lengths[key] = self._scheduler_metadata(
                     seq_lens, query_start_loc, num_heads=self.queries_per_kv, num_kv_heads=1
                 )
-            table = np.concatenate([pages.block_table(layer, width) for _, _, pages, _ in rows])
-            layers.append(
-                AttentionBatch(token_idx, query_start_loc, seq_lens, torch.from_numpy(table), by_lengths[key])
-            )
+            layers.append(AttentionBatch(token_idx, query_start_loc, seq_lens, tables[layer], by_lengths[key]))
         return PerHeadBatch(
             token_idx,
             torch.cat(token_of),
@@ -473,6 +471,12 @@ def padded_table(rows: list[list[int]]) -> torch.Tensor:
     for i, pages in enumerate(rows):
         table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     return table
+
+
+@functools.lru_cache(maxsize=None)
+def layer_index(layer_name: str) -> int:
+    """vLLM's index of an attention layer, parsed once per name: every layer asks at every step."""
+    return extract_layer_index(layer_name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -521,7 +525,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         metadata = self._metadata(layer)
         if metadata is None or (metadata.per_head is None and metadata.offloaded is None):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        layer_idx = extract_layer_index(layer.layer_name)
+        layer_idx = layer_index(layer.layer_name)
         heads_batch = metadata.per_head or metadata.offloaded
         stock_idx = (metadata.stock if metadata.per_head is not None else metadata.resident).token_idx
         if stock_idx.numel():
@@ -577,7 +581,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         else:
             self._forward_mixed(layer, query, kv_cache, attn_metadata, output)
         if isinstance(attn_metadata, KVPolicyMetadata):
-            layer_idx = extract_layer_index(layer.layer_name)
+            layer_idx = layer_index(layer.layer_name)
             for stash in attn_metadata.window_stash:
                 WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx])
             if attn_metadata.per_head is not None and WORKER_STATE.policy.accumulates_attention:
@@ -606,7 +610,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         self._attend_rows(layer, query, out, kv_cache, metadata.stock)
         per_head = metadata.per_head
-        batch = per_head.layers[extract_layer_index(layer.layer_name)]
+        batch = per_head.layers[layer_index(layer.layer_name)]
         pages = self._one_head_pages(kv_cache)
         self._attend_heads(layer, query, out, pages, batch, per_head.token_of, per_head.head_of)
 
@@ -617,7 +621,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         layers to the selected pages loaded from the host pool into staging pages, then their tail.
         """
         context, offloaded = metadata.context, metadata.offloaded
-        layer_idx = extract_layer_index(layer.layer_name)
+        layer_idx = layer_index(layer.layer_name)
         source = metadata.sources[layer_idx]
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         pages = WORKER_STATE.page_space().pages if offloaded is not None or metadata.offloads else None
@@ -733,7 +737,7 @@ class KVPolicyCPUImpl(CPUAttentionBackendImpl):
         A policy whose layer budgets depend on every layer only observes here;
         the last layer then compresses every layer of the prompt.
         """
-        layer_idx = extract_layer_index(layer.layer_name)
+        layer_idx = layer_index(layer.layer_name)
         num_layers = relocations[0].pages.num_layers
         policy = WORKER_STATE.policy
         for relocation in relocations:

@@ -72,7 +72,7 @@ def test_append_takes_free_pages_and_new_blocks():
     slots = pages.append()
     assert slots.tolist() == [[[8 * BS, 9 * BS]], [[8 * BS, 9 * BS]]]
     assert pages.lengths.tolist() == [[BS + 1, BS + 1], [BS + 1, BS + 1]]
-    assert pages.block_table(0, 3).tolist() == [[2, 8, 0], [3, 9, 0]]
+    assert pages.page_table(3)[0].tolist() == [[2, 8, 0], [3, 9, 0]]
 
 
 def test_append_of_a_chunk_fills_the_last_page_then_takes_free_ones():
