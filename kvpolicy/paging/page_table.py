@@ -108,8 +108,7 @@ class RequestPages:
         page boundary take a free page.
         """
         positions = self.lengths[:, :, None] + np.arange(count)  # [layers, heads, count]
-        page_counts = (self._page_table() >= 0).sum(axis=2)
-        missing = -(-(self.lengths + count) // self.block_size) - page_counts
+        missing = -(-(self.lengths + count) // self.block_size) - self._page_counts()
         for layer, head in np.argwhere(missing > 0):
             free = self.free[layer]
             if missing[layer, head] > len(free):
@@ -173,5 +172,9 @@ class RequestPages:
         padded[:, :, : table.shape[2]] = np.maximum(table, 0)
         return padded
 
+    def _page_counts(self) -> np.ndarray:
+        """[layers, heads] pages each head holds."""
+        return (self._page_table() >= 0).sum(axis=2)
+
     def max_pages(self) -> int:
-        return int((self._page_table() >= 0).sum(axis=2).max())
+        return int(self._page_counts().max())

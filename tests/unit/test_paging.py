@@ -1,5 +1,6 @@
 """Page tables and token moves, on plain tensors (no vLLM)."""
 
+import numpy as np
 import torch
 
 from kvpolicy.paging import PageLayout, RequestPages
@@ -84,6 +85,30 @@ def test_append_of_a_chunk_fills_the_last_page_then_takes_free_ones():
     assert slots[0, :, 0].tolist() == [2 * BS + BS - 1, 8 * BS, 8 * BS + 1]
     assert slots[0, :, 1].tolist() == [3 * BS + 2, 3 * BS + 3, 9 * BS]
     assert pages.lengths.tolist() == [[BS + 2, 5]]
+
+
+def test_appended_slots_are_where_the_tokens_are_read_back():
+    """Decode takes slots from the page-table array; reads take them from the page lists: both agree."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        blocks = rng.permutation(64)[:4].tolist()
+        pages = RequestPages(num_layers=3, num_heads=H, block_size=BS, blocks=blocks)
+        for layer in range(3):
+            pages.relocate(layer, [torch.from_numpy(np.sort(rng.permutation(4 * BS)[: rng.integers(0, 2 * BS)])) for _ in range(H)])
+        for step in range(12):
+            pages.add_blocks([64 + step])  # H pages per layer: room for the BS tokens a head may take
+            count = int(rng.choice([1, 1, 3]))
+            slots = pages.append(count)
+            for layer in range(3):
+                ends = pages.lengths[layer]
+                new = [torch.arange(int(end) - count, int(end)) for end in ends]
+                assert pages.current_slots(layer, new).tolist() == slots[layer].T.reshape(-1).tolist()
+            width = pages.max_pages()
+            table = pages.page_table(width)
+            for layer in range(3):
+                for head in range(H):
+                    held = pages.head_pages[layer][head]
+                    assert table[layer, head].tolist() == held + [0] * (width - len(held))
 
 
 def test_second_relocation_reads_from_per_head_pages():
