@@ -1,8 +1,9 @@
-"""Ships ``kvpolicy-vllm-metadata.pth`` beside the packages (see _kvpolicy_distalias.py)."""
+"""Ships ``kvpolicy-vllm-metadata.pth`` beside the packages (see _kvpolicy_distalias.py), and the
+top-level ``triton_kernels/`` directory as the package ``kvpolicy_triton``."""
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 PTH = "kvpolicy-vllm-metadata.pth"
@@ -14,4 +15,8 @@ class BuildWithPth(build_py):
         self.copy_file(str(Path(__file__).parent / "kvpolicy" / PTH), str(Path(self.build_lib) / PTH))
 
 
-setup(cmdclass={"build_py": BuildWithPth})
+setup(
+    cmdclass={"build_py": BuildWithPth},
+    packages=[*find_packages(include=["kvpolicy*"]), "kvpolicy_triton"],
+    package_dir={"kvpolicy_triton": "triton_kernels"},
+)

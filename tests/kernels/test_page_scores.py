@@ -1,0 +1,43 @@
+"""context_token_scores against its reference and kvpolicy's OmniKV context_scores (window 1, "last")."""
+
+import math
+
+import pytest
+import torch
+
+from kvpolicy.policies.omnikv import context_scores
+from kvpolicy_triton import context_token_scores, context_token_scores_reference, flat
+from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, index, make_cache, shuffled_pages
+
+LENGTHS = [17, 1, 40, 8]
+QUERY_HEADS, HEAD_SIZE = 6, 32
+# Float32 logits from the same inputs on both sides, summed in different orders; weights are <= 1.
+TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kv_heads", [3, 2], ids=["G2", "G3"])
+def test_context_token_scores_triton(dtype, layout, kv_heads):
+    bs = LAYOUTS[layout]
+    rows = len(LENGTHS)
+    pages = -(-max(LENGTHS) // bs) + 1
+    cache, geom = make_cache(layout, rows * pages, kv_heads, HEAD_SIZE, dtype)
+    page_ids = shuffled_pages(rows * pages * kv_heads)[: rows * pages * kv_heads].view(rows, kv_heads, pages)
+    generator = torch.Generator().manual_seed(8)
+    query = (2 * torch.randn(rows + 2, QUERY_HEADS, HEAD_SIZE, generator=generator)).to(DEVICE, dtype)
+    token_idx = index(torch.randperm(rows + 2, generator=generator)[:rows])
+    lengths = index(LENGTHS, torch.int64)
+    args = (query, cache, geom, token_idx, index(page_ids), lengths, 1 / math.sqrt(HEAD_SIZE))
+
+    got = context_token_scores(*args)
+    assert got.dtype == torch.float32 and got.shape == (rows, pages * bs)
+    torch.testing.assert_close(got, context_token_scores_reference(*args), **TOLERANCE)
+
+    # OmniKV multiplies in the keys' dtype; given float32 keys it is the same math as the kernel.
+    width = torch.arange(pages * bs)
+    slots = page_ids[..., width // bs] * bs + width % bs
+    keys = flat(cache)[geom.element_index(slots.flatten().to(DEVICE))].view(rows, kv_heads, pages * bs, HEAD_SIZE)
+    queries = query[token_idx.long()][:, :, None, :]
+    omnikv = context_scores(queries.cpu().float(), keys.cpu().float(), lengths.cpu(), "last")
+    torch.testing.assert_close(got.cpu().double(), omnikv, **TOLERANCE)

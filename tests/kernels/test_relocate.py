@@ -1,0 +1,62 @@
+"""gather/scatter/move_tokens against their references; moves whose sources and destinations overlap."""
+
+import pytest
+import torch
+
+from kvpolicy_triton import (
+    gather_tokens, gather_tokens_reference, move_tokens, move_tokens_reference, scatter_tokens,
+    scatter_tokens_reference,
+)
+from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, index, make_cache
+
+KV_HEADS, HEAD_SIZE, BLOCKS = 2, 32, 5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gather_scatter_tokens_triton_match_reference(dtype, layout):
+    cache, geom = make_cache(layout, BLOCKS, KV_HEADS, HEAD_SIZE, dtype)
+    generator = torch.Generator().manual_seed(3)
+    slots = index(torch.randperm(BLOCKS * KV_HEADS * geom.block_size, generator=generator)[:21], torch.int64)
+    k, v = gather_tokens(cache, geom, slots)
+    want_k, want_v = gather_tokens_reference(cache, geom, slots)
+    assert k.dtype == cache.dtype and torch.equal(k, want_k) and torch.equal(v, want_v)
+
+    rows = torch.randn(2, len(slots), HEAD_SIZE, generator=generator).to(DEVICE, dtype)
+    want = cache.clone()
+    scatter_tokens(cache, geom, slots.int(), rows[0], rows[1])
+    scatter_tokens_reference(want, geom, slots.int(), rows[0], rows[1])
+    assert torch.equal(cache, want)
+
+
+def compaction(geom, pages, generator):
+    """Kept tokens scattered over ``pages`` packed, in order, into the first slots of the same pages."""
+    slots = torch.cat([p * geom.block_size + torch.arange(geom.block_size) for p in pages])
+    kept = slots[torch.rand(len(slots), generator=generator) < 0.6]
+    return kept, slots[: len(kept)]
+
+
+def permutation(geom, pages, generator):
+    """Every token of ``pages`` moved to another slot of the same pages: each destination is also a source."""
+    slots = torch.cat([p * geom.block_size + torch.arange(geom.block_size) for p in pages])
+    return slots, slots[torch.randperm(len(slots), generator=generator)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("plan", [compaction, permutation], ids=lambda plan: plan.__name__)
+def test_move_tokens_triton_overlapping(dtype, layout, plan):
+    cache, geom = make_cache(layout, BLOCKS, KV_HEADS, HEAD_SIZE, dtype)
+    generator = torch.Generator().manual_seed(4)
+    pages = torch.randperm(BLOCKS * KV_HEADS, generator=generator)[:3].tolist()
+    src, dst = plan(geom, pages, generator)
+    assert len(set(src.tolist()) & set(dst.tolist())) > 0
+    src, dst = index(src), index(dst, torch.int64)
+    before_k, before_v = gather_tokens_reference(cache, geom, src)
+
+    want = cache.clone()
+    move_tokens(cache, geom, src, dst)
+    move_tokens_reference(want, geom, src, dst)
+    assert torch.equal(cache, want)
+    after_k, after_v = gather_tokens_reference(cache, geom, dst)
+    assert torch.equal(after_k, before_k) and torch.equal(after_v, before_v)

@@ -1,0 +1,41 @@
+"""Triton kernels of kvpolicy over paged KV caches in any PageGeometry, each beside its plain-torch reference."""
+
+from .geometry import PageGeometry, flat
+from .keydiff_scores import keydiff_scores, keydiff_scores_reference
+from .new_token_weights import new_token_weights, new_token_weights_reference
+from .page_scores import context_token_scores, context_token_scores_reference
+from .paged_attention import paged_attention, paged_attention_reference
+from .relocate import (
+    gather_tokens,
+    gather_tokens_reference,
+    move_tokens,
+    move_tokens_reference,
+    scatter_tokens,
+    scatter_tokens_reference,
+)
+from .window_scores import window_attention_sums, window_scores, window_scores_reference
+from .write_slots import write_slots, write_slots_reference
+
+__all__ = [
+    "PageGeometry",
+    "context_token_scores",
+    "context_token_scores_reference",
+    "flat",
+    "gather_tokens",
+    "gather_tokens_reference",
+    "keydiff_scores",
+    "keydiff_scores_reference",
+    "move_tokens",
+    "move_tokens_reference",
+    "new_token_weights",
+    "new_token_weights_reference",
+    "paged_attention",
+    "paged_attention_reference",
+    "scatter_tokens",
+    "scatter_tokens_reference",
+    "window_attention_sums",
+    "window_scores",
+    "window_scores_reference",
+    "write_slots",
+    "write_slots_reference",
+]

@@ -1,0 +1,71 @@
+"""Store new tokens' K and V, row by row, at the slots a per-head page table chose for them."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .addressing import slot_offsets
+from .geometry import PageGeometry, flat
+
+ROWS = 16
+
+
+@triton.jit
+def _write_slots_kernel(
+    cache_ptr, key_ptr, value_ptr, token_of_ptr, head_of_ptr, slots_ptr, rows,
+    key_stride_t, key_stride_h, key_stride_d, value_stride_t, value_stride_h, value_stride_d, head_size,
+    block_size, heads_per_block, block_stride, head_stride,
+    k_offset, k_token_stride, k_dim_stride, v_offset, v_token_stride, v_dim_stride,
+    ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < rows
+    token = tl.load(token_of_ptr + row, mask=row_ok, other=0).to(tl.int64)
+    head = tl.load(head_of_ptr + row, mask=row_ok, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + row, mask=row_ok, other=0)
+    dims = tl.arange(0, HEAD_PAD)
+    mask = row_ok[:, None] & (dims < head_size)[None, :]
+    key = tl.load(
+        key_ptr + (token * key_stride_t + head * key_stride_h)[:, None] + dims[None, :] * key_stride_d, mask=mask
+    )
+    value = tl.load(
+        value_ptr + (token * value_stride_t + head * value_stride_h)[:, None] + dims[None, :] * value_stride_d,
+        mask=mask,
+    )
+    k_at = slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
+                        k_offset, k_token_stride, k_dim_stride)
+    v_at = slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
+                        v_offset, v_token_stride, v_dim_stride)
+    tl.store(cache_ptr + k_at, key.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + v_at, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_slots(
+    cache: torch.Tensor,
+    geom: PageGeometry,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    token_of: torch.Tensor,
+    head_of: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Row i: ``key[token_of[i], head_of[i]]`` and its value go to slot ``slots[i]``; key/value [T, Hkv, D]."""
+    rows = slots.numel()
+    if rows == 0:
+        return
+    _write_slots_kernel[(triton.cdiv(rows, ROWS),)](
+        cache, key, value, token_of, head_of, slots, rows,
+        *key.stride(), *value.stride(), geom.head_size,
+        *geom.addressing(),
+        ROWS=ROWS, HEAD_PAD=triton.next_power_of_2(geom.head_size),
+    )
+
+
+def write_slots_reference(cache, geom, key, value, token_of, head_of, slots) -> None:
+    """Plain torch: index the rows out of key/value and assign them at the slots' flat offsets."""
+    storage = flat(cache)
+    token, head = token_of.long(), head_of.long()
+    storage[geom.element_index(slots)] = key[token, head].to(cache.dtype)
+    storage[geom.element_index(slots, value=True)] = value[token, head].to(cache.dtype)
