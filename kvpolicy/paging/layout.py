@@ -59,16 +59,23 @@ class PageLayout:
         flat = pages.reshape(-1)
         return flat[self._element_index(slots, self.k_offsets)], flat[self._element_index(slots, self.v_offsets)]
 
+    def _affine(self, offsets: torch.Tensor) -> tuple[int, int, int] | None:
+        start, token_stride, dim_stride = int(offsets[0, 0]), int(offsets[-1, 0] - offsets[0, 0]), int(offsets[0, -1] - offsets[0, 0])
+        token_stride //= max(self.block_size - 1, 1)
+        dim_stride //= max(self.head_size - 1, 1)
+        grid = start + torch.arange(self.block_size)[:, None] * token_stride + torch.arange(self.head_size) * dim_stride
+        return (start, token_stride, dim_stride) if torch.equal(grid, offsets) else None
+
     @functools.cached_property
     def affine_keys(self) -> tuple[int, int, int] | None:
         """(offset, token stride, dim stride) when K sits at ``offset + t*ts + d*ds`` in a page (the vec ISAs
         store K transposed: strides 1 and block_size), else None."""
-        k = self.k_offsets
-        start, token_stride, dim_stride = int(k[0, 0]), int(k[-1, 0] - k[0, 0]), int(k[0, -1] - k[0, 0])
-        token_stride //= max(self.block_size - 1, 1)
-        dim_stride //= max(self.head_size - 1, 1)
-        grid = start + torch.arange(self.block_size)[:, None] * token_stride + torch.arange(self.head_size) * dim_stride
-        return (start, token_stride, dim_stride) if torch.equal(grid, k) else None
+        return self._affine(self.k_offsets)
+
+    @functools.cached_property
+    def affine_values(self) -> tuple[int, int, int] | None:
+        """The same for V (row-major after K on the vec ISAs)."""
+        return self._affine(self.v_offsets)
 
     def page_key_blocks(self, pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
         """Keys of whole pages, [*page_ids.shape, block_size, head_size].

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-BACKEND_CLS = "kvpolicy.vllm.backend.KVPolicyCPUBackend"
+CPU_BACKEND_CLS = "kvpolicy.vllm.cpu_backend.KVPolicyCPUBackend"
+CUDA_BACKEND_CLS = "kvpolicy.vllm.cuda_backend.KVPolicyTritonBackend"
 _registered = False
 
 
 def register() -> None:
-    """Install the kv_* options, the KV sizing of bounded policies and the per-head backend. Idempotent."""
+    """Install the kv_* options, the KV sizing of bounded policies and the platform's kvpolicy backend. Idempotent."""
     global _registered
     if _registered:
         return
@@ -18,5 +19,7 @@ def register() -> None:
     patch_engine_args()
     patch_kv_memory_check()
     if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLS)
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_CLS)
+    elif current_platform.is_cuda():
+        register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND_CLS)
     _registered = True

@@ -72,6 +72,7 @@ class WorkerState:
     offloaded: dict[str, OffloadedRequest] = field(default_factory=dict)
     offloaded_this_step: dict[str, int] = field(default_factory=dict)  # req id -> blocks it keeps
     host: HostPagePool | None = None
+    ops: str | None = None  # the backend's KVOps class, for logs and tests
     _page_space: PageSpace | None = None
     counters: Counter = field(default_factory=Counter)
 

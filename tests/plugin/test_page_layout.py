@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvpolicy.vllm.backend import page_layout
+from kvpolicy.vllm.ops.cpu import page_layout
 from kvpolicy.vllm.internals import CPU_ATTN_MODULE, ops
 
 

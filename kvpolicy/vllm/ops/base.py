@@ -1,0 +1,64 @@
+"""The ops interface: every tensor operation the per-head and selection paths perform on the cache.
+
+A cache argument is a tensor ``[n, h, block_size, 2 * head_size]`` in vLLM's
+logical order (a layer's cache, ``h`` = its KV heads; or the whole KV buffer as
+one-head pages, ``h`` = 1), any physical strides the platform allocates; page
+``p`` is index ``p // h``, head ``p % h``, and a slot is ``page * block_size +
+token``. ``layer`` is vLLM's attention layer (the CPU ops read its ISA and KV
+scales). Two implementations: ``CPUOps`` (vLLM's CPU kernels) and
+``TritonOps`` (``triton_kernels/``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from kvpolicy.vllm.step import AttentionBatch
+
+
+class KVOps(ABC):
+    """Attention over chosen pages, token moves, and the scores the policies need, on one platform."""
+
+    @abstractmethod
+    def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, kv_heads: int, queries_per_kv: int) -> Any:
+        """Prepare one attention call (``step.Planner``); the result travels in ``AttentionBatch.plan``."""
+
+    @abstractmethod
+    def write(self, layer, cache, key, value, token_of, head_of, slots) -> None:
+        """Write K/V of KV head ``head_of[i]`` of batch token ``token_of[i]`` at ``slots[i]``; key, value [T, H, D]."""
+
+    @abstractmethod
+    def attend(self, layer, query, out, cache, batch: AttentionBatch, token_of=None, head_of=None) -> None:
+        """Causal attention of one call, written into ``out`` [T, q_heads, D] at the call's queries only.
+
+        ``batch.kv_heads > 1``: rows of vLLM's own layout (``token_of`` None).
+        ``batch.kv_heads == 1``: one-head virtual sequences; virtual token ``i`` is
+        the query heads of KV head ``head_of[i]`` of batch token ``token_of[i]``.
+        """
+
+    @abstractmethod
+    def gather(self, layer, cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows [n, D] of the tokens at ``slots``."""
+
+    @abstractmethod
+    def scatter(self, layer, cache, slots, keys, values) -> None:
+        """Write K and V rows [n, D] at ``slots``."""
+
+    def move(self, layer, cache, src, dst) -> None:
+        """Every token at ``src[i]`` to ``dst[i]``; safe when the two overlap (all read before any write)."""
+        keys, values = self.gather(layer, cache, src)
+        self.scatter(layer, cache, dst, keys, values)
+
+    @abstractmethod
+    def new_token_weights(self, layer, query, cache, batch: AttentionBatch, token_of, head_of) -> torch.Tensor:
+        """Per one-head sequence of a decode call, its new token's attention weights over the
+        sequence (its query heads averaged), [sequences, n] float64, 0 past each length."""
+
+    @abstractmethod
+    def context_scores(self, layer, query, cache, page_ids, token_idx, lengths) -> torch.Tensor:
+        """OmniKV's eq. (3)-(4), last-token selector: per row, each context token's attention weight
+        from the row's last query (max over query heads), [rows, pages * block_size]; ``page_ids``
+        [rows, kv_heads, pages] in ``cache``, ``token_idx`` the rows' query tokens."""

@@ -1,0 +1,159 @@
+"""``KVOps`` on vLLM's CPU kernels: its attention and cache writer over one-head pages, exact token moves.
+
+Inside a page the CPU writer packs tokens for its ISA, so token moves go
+through the ``PageLayout`` discovered from the writer itself (``page_layout``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvpolicy.paging import PageLayout
+from kvpolicy.policies.h2o import new_token_attention
+from kvpolicy.policies.omnikv import context_scores
+from kvpolicy.vllm.internals import envs, ops
+from kvpolicy.vllm.ops.base import KVOps
+from kvpolicy.vllm.step import AttentionBatch
+
+
+def one_head_pages(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as one-head pages [pages, 1, block_size, 2*head_size]: page ``b*H + h`` (contiguous on CPU)."""
+    return cache.view(-1, 1, *cache.shape[2:])
+
+
+def split_kv(cache: torch.Tensor):
+    """K and V halves of a cache [blocks, heads, block_size, 2*head_size], as the CPU ops take them."""
+    num_blocks, num_kv_heads, block_size, width = cache.shape
+    return cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+
+
+@functools.lru_cache(maxsize=None)
+def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> PageLayout:
+    """Discover where the cache writer puts (token, dim) inside a page, exactly.
+
+    Two writes of a scratch page through ``cpu_attn_reshape_and_cache``: once
+    with each element's token id, once with its dim id.
+    """
+    cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(2, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.arange(block_size) + block_size
+    maps = []
+    for values in (
+        torch.arange(block_size).view(-1, 1, 1).expand(block_size, 1, head_size),
+        torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, head_size),
+    ):
+        values = values.to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(values, values, key_cache, value_cache, slots, isa)
+        maps.append(cache[1, 0].reshape(-1).long().clone())
+    return PageLayout.from_token_and_dim_maps(*maps)
+
+
+def cache_layout(layer, cache: torch.Tensor) -> PageLayout:
+    block_size, width = cache.shape[-2:]
+    return page_layout(layer.isa, cache.dtype, block_size, width // 2)
+
+
+class CPUOps(KVOps):
+    """vLLM's CPU attention (``impl``'s settings: scale, sinks, soft cap, ...) and cache writer.
+
+    ``builder``: vLLM's CPU metadata builder, whose settings the scheduler
+    metadata of each call needs (None on the attention side, which never plans).
+    """
+
+    def __init__(self, impl=None, builder=None):
+        self.impl = impl
+        self.builder = builder
+
+    def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
+        b = self.builder
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.numel(),
+            num_heads=kv_heads * queries_per_kv,
+            num_kv_heads=kv_heads,
+            head_dim=b.head_dim,
+            seq_lens=seq_lens,
+            dtype=b.dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=b.window_size,
+            isa=b.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=b.kv_cache_dtype,
+        )
+
+    def write(self, layer, cache, key, value, token_of, head_of, slots):
+        impl = self.impl
+        heads = impl.num_kv_heads
+        key_cache, value_cache = split_kv(one_head_pages(cache))
+        ops.cpu_attn_reshape_and_cache(
+            key.reshape(-1, heads, impl.head_size)[token_of, head_of].unsqueeze(1),
+            value.reshape(-1, heads, impl.head_size)[token_of, head_of].unsqueeze(1),
+            key_cache,
+            value_cache,
+            slots,
+            layer.isa,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+
+    def _call(self, layer, query, output, cache, batch: AttentionBatch) -> None:
+        impl = self.impl
+        key_cache, value_cache = split_kv(cache)
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=output,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            scale=impl.scale,
+            causal=True,
+            alibi_slopes=impl.alibi_slopes,
+            sliding_window=impl.sliding_window,
+            block_table=batch.block_table,
+            softcap=impl.logits_soft_cap,
+            scheduler_metadata=batch.plan,
+            s_aux=impl.sinks,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+
+    def attend(self, layer, query, out, cache, batch, token_of=None, head_of=None):
+        if batch.kv_heads > 1:
+            if batch.token_idx.numel():
+                rows_out = torch.empty_like(query[batch.token_idx])
+                self._call(layer, query[batch.token_idx], rows_out, cache, batch)
+                out[batch.token_idx] = rows_out
+            return
+        impl = self.impl
+        by_kv_head = (-1, impl.num_kv_heads, impl.num_queries_per_kv, impl.head_size)
+        head_query = query.view(by_kv_head)[token_of, head_of]
+        head_out = torch.empty_like(head_query)
+        self._call(layer, head_query, head_out, one_head_pages(cache), batch)
+        out.view(by_kv_head)[token_of, head_of] = head_out
+
+    def gather(self, layer, cache, slots):
+        return cache_layout(layer, cache).gather(one_head_pages(cache).view(-1), slots)
+
+    def scatter(self, layer, cache, slots, keys, values):
+        cache_layout(layer, cache).scatter(one_head_pages(cache).view(-1), slots, keys, values)
+
+    def new_token_weights(self, layer, query, cache, batch, token_of, head_of):
+        """The fused kernel returns no weights: read the keys back (a strided view of one copy of
+        each page's K part) and recompute them in one batched product."""
+        impl = self.impl
+        lengths = batch.seq_lens.long()
+        table = batch.block_table.long()[:, : -(-int(lengths.max()) // cache.shape[2])]
+        keys = cache_layout(layer, cache).page_keys(one_head_pages(cache), table)
+        by_kv_head = (-1, impl.num_kv_heads, impl.num_queries_per_kv, impl.head_size)
+        return new_token_attention(keys, lengths, query.view(by_kv_head)[token_of, head_of])
+
+    def context_scores(self, layer, query, cache, page_ids, token_idx, lengths):
+        impl = self.impl
+        keys = cache_layout(layer, cache).page_key_blocks(one_head_pages(cache), page_ids)
+        queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
+        return context_scores(queries, keys, lengths)

@@ -1,0 +1,152 @@
+"""The per-head path: requests a policy relocated attend as ``H`` one-head virtual sequences.
+
+Each relocated request's KV head has its own pages and length per layer
+(block ``b``, head ``h`` is page ``b*H + h``); every other row of the batch
+takes the platform's stock path. After attention, this layer relocates the
+prompts that completed (keeping what the policy keeps), runs eviction passes
+and adds new tokens' attention for policies that accumulate it. All tensor
+work on the cache goes through ``KVOps``; policies see host tensors (a no-op
+on CPU; on a GPU, what they score is copied to the host, once per prompt or
+eviction pass, so ``policies/`` stays plain torch). Positions stay logical (vLLM computes them from
+its own token counts, which relocation never touches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpolicy.policies import PromptKV
+from kvpolicy.policies.h2o import add_new_token
+from kvpolicy.vllm.ops import KVOps
+from kvpolicy.vllm.state import WORKER_STATE, CarriedState
+from kvpolicy.vllm.step import PerHeadBatch, RelocatingStep, Relocation
+
+
+class PerHeadPath:
+    def __init__(self, ops: KVOps):
+        self.ops = ops
+
+    def write(self, layer, layer_idx: int, key, value, kv_cache, per_head: PerHeadBatch) -> None:
+        """The relocated rows' new K/V into their own pages (the stock rows are written by the platform)."""
+        self.ops.write(layer, kv_cache, key, value, per_head.token_of, per_head.head_of, per_head.slots[layer_idx])
+
+    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
+        """Stock rows in vLLM's layout, relocated rows per head; ``out`` [T, q_heads, D]."""
+        self.ops.attend(layer, query, out, kv_cache, step.stock)
+        per_head = step.per_head
+        self.ops.attend(layer, query, out, kv_cache, per_head.layers[layer_idx], per_head.token_of, per_head.head_of)
+
+    def after_attention(self, layer, layer_idx: int, query, kv_cache, step: RelocatingStep) -> None:
+        """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes."""
+        for stash in step.window_stash:
+            WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx].cpu())
+        if step.per_head is not None and WORKER_STATE.policy.accumulates_attention:
+            self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
+        if step.relocations:
+            self._relocate(layer, layer_idx, query, kv_cache, step.relocations)
+
+    def _add_attention(self, layer, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
+        """Add each relocated request's new token's attention weights over its cache to its carried scores."""
+        if per_head.token_idx.numel() != len(per_head.req_ids):
+            raise RuntimeError("policies that accumulate attention take one new token per request and step")
+        batch = per_head.layers[layer_idx]
+        heads = kv_cache.shape[1]
+        weights = self.ops.new_token_weights(layer, query, kv_cache, batch, per_head.token_of, per_head.head_of).cpu()
+        lengths = batch.seq_lens.long()
+        for i, req_id in enumerate(per_head.req_ids):
+            carried = WORKER_STATE.carried[req_id]
+            rows = weights[i * heads : (i + 1) * heads, : int(lengths[i * heads])]
+            carried.scores[layer_idx] = add_new_token(carried.scores[layer_idx], rows)
+
+    def _relocate(self, layer, layer_idx: int, query, kv_cache, relocations: list[Relocation]) -> None:
+        """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps.
+
+        A policy whose layer budgets depend on every layer only observes here;
+        the last layer then compresses every layer of the prompt.
+        """
+        num_layers = relocations[0].pages.num_layers
+        policy = WORKER_STATE.policy
+        for relocation in relocations:
+            if relocation.num_tokens is None:
+                self._evict(layer, kv_cache, layer_idx, relocation)
+                continue
+            queries = None
+            if policy.needs_window or policy.needs_queries:
+                queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx].cpu())
+            prompt = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
+            counts = relocation.num_tokens, relocation.num_computed
+            if not policy.budgets_across_layers:
+                self._compact(layer, kv_cache, layer_idx, relocation, prompt, relocation.budget, None, *counts)
+                continue
+            observed = WORKER_STATE.observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
+            if layer_idx == num_layers - 1:
+                caches, observations = zip(*(observed[i] for i in range(num_layers)))
+                budgets = policy.layer_budgets(list(observations), relocation.budget)
+                for i, (cache, observation, budget) in enumerate(zip(caches, observations, budgets)):
+                    earlier = prompt if i == layer_idx else self._prompt(layer, cache, i, relocation, None)
+                    self._compact(layer, cache, i, relocation, earlier, budget, observation, *counts)
+
+    def _evict(self, layer, kv_cache, layer_idx: int, relocation: Relocation) -> None:
+        """An eviction pass: this layer's cache back to its budget, with what the policy carried, if over it."""
+        pages = relocation.pages
+        carried = WORKER_STATE.carried[relocation.req_id]
+        length = int(pages.lengths[layer_idx, 0])
+        budget = carried.budgets[layer_idx]
+        if length <= budget:
+            return
+        keys, values = self._read(layer, kv_cache, layer_idx, relocation, length)
+        cache = PromptKV(
+            keys,
+            layer=layer_idx,
+            num_layers=pages.num_layers,
+            values=values,
+            scores=carried.scores[layer_idx],
+            threshold=carried.thresholds[layer_idx],
+        )
+        self._compact(layer, kv_cache, layer_idx, relocation, cache, budget, None, length, length)
+
+    def _read(self, layer, kv_cache, layer_idx: int, relocation: Relocation, num_tokens: int):
+        """The first ``num_tokens`` of each head of one layer of a request: keys, values, [heads, n, head_dim]."""
+        heads = kv_cache.shape[1]
+        slots = relocation.pages.current_slots(layer_idx, [torch.arange(num_tokens)] * heads)
+        keys, values = self.ops.gather(layer, kv_cache, slots)
+        return keys.view(heads, num_tokens, -1).cpu(), values.view(heads, num_tokens, -1).cpu()
+
+    def _prompt(self, layer, kv_cache, layer_idx: int, relocation: Relocation, queries) -> PromptKV:
+        """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs."""
+        keys, values = self._read(layer, kv_cache, layer_idx, relocation, relocation.num_tokens)
+        policy = WORKER_STATE.policy
+        return PromptKV(
+            keys,
+            window_queries=queries if policy.needs_window else None,
+            layer=layer_idx,
+            num_layers=relocation.pages.num_layers,
+            queries=queries if policy.needs_queries else None,
+            values=values,
+        )
+
+    def _compact(self, layer, kv_cache, layer_idx, relocation, prompt, budget, observation, num_tokens, num_computed):
+        """Pack what the policy keeps of one layer into per-head pages; write back K/V it rewrote.
+
+        The policy chooses among the first ``num_tokens``; the rest, up to
+        ``num_computed``, are kept. A policy that evicts in decode carries
+        the layer's budget, scores and threshold to its next pass.
+        """
+        heads, head_size = kv_cache.shape[1], kv_cache.shape[-1] // 2
+        pages = relocation.pages
+        policy = WORKER_STATE.policy
+        result = policy.compress(prompt, budget, observation)
+        generated = torch.arange(num_tokens, num_computed)
+        moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in result.kept])
+        self.ops.move(layer, kv_cache, moves.src, moves.dst)
+        if result.keys is not None:
+            slots = pages.current_slots(layer_idx, [torch.arange(kept.numel()) for kept in result.kept])
+            self.ops.scatter(layer, kv_cache, slots, result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size))
+        if policy.evicts_in_decode:
+            carried = WORKER_STATE.carried.setdefault(relocation.req_id, CarriedState.empty(pages.num_layers))
+            carried.budgets[layer_idx] = budget
+            if result.scores is not None:
+                # Output recomputed after a preemption has no scores yet.
+                unseen = torch.zeros(heads, generated.numel(), dtype=torch.float64)
+                carried.scores[layer_idx] = torch.cat([result.scores, unseen], dim=1)
+            carried.thresholds[layer_idx] = result.threshold

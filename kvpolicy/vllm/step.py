@@ -1,0 +1,156 @@
+"""What one step asks of the attention layers, built once per step by platform-free code.
+
+The builder (``step_builder.py``) turns vLLM's batch into these records; the
+per-head path (``per_head.py``) and the context-selection path
+(``selection.py``) read them in every layer through the ops interface
+(``ops/``). No field depends on the platform except ``AttentionBatch.plan``,
+which the ops that will run the call prepared for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages
+
+#: ``plan(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)``: the ops' own
+#: preparation of one attention call (vLLM's scheduler metadata on CPU, virtual-token arrays for Triton).
+#: A plan of one-head sequences (``kv_heads == 1``) may depend on the lengths and query layout only,
+#: not on the table: the builder shares it between layers whose lengths agree.
+Planner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], Any]
+
+
+@dataclass
+class AttentionBatch:
+    """One attention call over a subset of the batch.
+
+    ``kv_heads`` is the model's KV head count for rows in vLLM's own layout
+    (``block_table`` holds vLLM block ids), 1 for one-head virtual sequences
+    (``block_table`` holds one-head page ids ``b*H + h``).
+    """
+
+    token_idx: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    kv_heads: int
+    plan: Any
+
+
+@dataclass
+class PerHeadBatch:
+    """The relocated requests of a step as ``H`` virtual one-head sequences each.
+
+    Virtual token ``i`` is query token ``token_of[i]`` of the batch, KV head
+    ``head_of[i]``; tokens are ordered by (request, head, position), so each
+    virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
+    attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
+    virtual-token order). ``req_ids``: the relocated requests, in order.
+    """
+
+    token_idx: torch.Tensor
+    token_of: torch.Tensor
+    head_of: torch.Tensor
+    layers: list[AttentionBatch]
+    slots: torch.Tensor
+    req_ids: list[str]
+
+
+@dataclass
+class Relocation:
+    """A request whose prompt completes this step: after attention, each layer relocates it.
+
+    ``window_idx``: this step's query tokens that belong to the observation
+    window (earlier chunks' share is stashed in the worker state).
+    ``num_computed``: tokens in the cache after this step; more than the
+    prompt when a preempted request recomputes its prompt and output in one
+    go. The policy chooses among prompt tokens; later tokens are all kept.
+    Both are None for an eviction pass over a request already relocated
+    (prompt chunks, decode): each layer's cache so far, to its own budget.
+    """
+
+    req_id: str
+    pages: RequestPages
+    num_tokens: int | None
+    num_computed: int | None
+    budget: int | None
+    window_idx: torch.Tensor
+
+
+@dataclass
+class WindowStash:
+    """Window queries in a prompt chunk that is not the last one: kept until the prompt completes."""
+
+    req_id: str
+    token_idx: torch.Tensor
+
+
+@dataclass
+class ContextSelection:
+    """OmniKV's decode rows of a step: filter layers select their pages, the layers after them attend to those.
+
+    ``token_idx``: the rows' query tokens (one each); ``seq_lens`` and
+    ``block_table``: their whole context in vLLM's blocks; ``budgets``: tokens
+    a sparse layer attends to, per row. ``selected`` fills as the step runs:
+    filter layer -> the sparse layers' call. ``plan``: the ops' planner for a call over these rows.
+    """
+
+    token_idx: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    budgets: list[int]
+    plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
+    selected: dict[int, AttentionBatch] = field(default_factory=dict)
+
+
+@dataclass
+class OffloadedBatch:
+    """OmniKV's decode rows whose sparse layers live in the host pool: ``H`` one-head virtual
+    sequences per row over vLLM's whole KV buffer (``WorkerState.page_space``), in every layer.
+
+    Virtual token ``i`` is query token ``token_of[i]``, KV head ``head_of[i]`` (ordered row, head).
+    ``slots[l]``: where layer ``l`` writes the new K/V; ``flushes[l]``: full tail pages it copies
+    to the host first. ``full[l]``: a full-attention layer's call. ``chosen`` fills as filter
+    layers select: filter layer -> per row, the page indices its sparse layers read.
+    """
+
+    token_idx: torch.Tensor
+    token_of: torch.Tensor
+    head_of: torch.Tensor
+    requests: list[OffloadedRequest]
+    budgets: list[int]
+    slots: torch.Tensor
+    flushes: list[PageCopies]
+    full: dict[int, AttentionBatch]
+    plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
+    chosen: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class RelocatingStep:
+    """A step of a relocating policy: ``stock`` is the other rows' own call (None when every row is stock)."""
+
+    stock: AttentionBatch | None = None
+    per_head: PerHeadBatch | None = None
+    relocations: list[Relocation] = field(default_factory=list)
+    window_stash: list[WindowStash] = field(default_factory=list)
+
+
+@dataclass
+class SelectingStep:
+    """A step of OmniKV: ``sources[l]`` is the filter layer whose selection layer ``l`` attends to
+    (None: full attention); ``stock`` the rows that attend fully everywhere; with offloaded rows,
+    ``resident`` is every other row's call (full-attention layers)."""
+
+    sources: list[int | None]
+    stock: AttentionBatch
+    context: ContextSelection | None = None
+    offloaded: OffloadedBatch | None = None
+    resident: AttentionBatch | None = None
+    offloads: list[OffloadPlan] = field(default_factory=list)  # prompts whose sparse layers move after the last layer
+
+
+Step = RelocatingStep | SelectingStep

@@ -1,0 +1,329 @@
+"""Builds each step's ``Step`` from vLLM's batch, once per step, for every platform.
+
+A platform's metadata builder calls ``StepBuilder.build`` after its own
+``build`` and attaches the result to its metadata; the builder never touches a
+tensor of the cache. The one platform-specific thing it needs, how the ops will
+run an attention call, comes in as a ``Planner``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages
+from kvpolicy.vllm.args import REQUEST_BUDGET_KEY
+from kvpolicy.vllm.state import WORKER_STATE
+from kvpolicy.vllm.step import (
+    AttentionBatch,
+    ContextSelection,
+    OffloadedBatch,
+    PerHeadBatch,
+    Planner,
+    RelocatingStep,
+    Relocation,
+    SelectingStep,
+    Step,
+    WindowStash,
+)
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """The parts of vLLM's batch a step is built from, on the host (one small copy per step on a GPU)."""
+
+    num_reqs: int
+    req_ids: list[str]
+    query_start_loc: np.ndarray
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+    @classmethod
+    def of(cls, cam, req_ids: list[str]) -> "HostBatch":
+        num_reqs = cam.num_reqs
+        return cls(
+            num_reqs,
+            req_ids[:num_reqs],
+            cam.query_start_loc_cpu[: num_reqs + 1].numpy(),
+            cam.seq_lens[:num_reqs].cpu(),
+            cam.block_table_tensor[:num_reqs].cpu(),
+        )
+
+
+class StepBuilder:
+    """The step of a batch: which rows go per head, which relocate, which select; their calls' arguments."""
+
+    def __init__(self, *, num_layers: int, num_heads: int, num_kv_heads: int, block_size: int, max_model_len: int, plan: Planner):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.queries_per_kv = num_heads // num_kv_heads
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.plan = plan
+
+    def build(self, cam) -> Step | None:
+        """``cam``: vLLM's ``CommonAttentionMetadata`` of the step. None: every row takes the stock path."""
+        if WORKER_STATE.selects_context:
+            return self._selecting(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
+        if WORKER_STATE.relocates:
+            return self._relocating(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
+        return None
+
+    def _relocating(self, batch: HostBatch) -> RelocatingStep:
+        runner = WORKER_STATE.runner
+        num_reqs, qsl, block_table = batch.num_reqs, batch.query_start_loc, batch.block_table
+        seq_lens = batch.seq_lens.numpy()
+        per_head_rows, relocations, stash = [], [], []
+        policy = WORKER_STATE.policy
+        for row, req_id in enumerate(batch.req_ids):
+            query_len = int(qsl[row + 1] - qsl[row])
+            seq_len = int(seq_lens[row])
+            start = seq_len - query_len
+            num_blocks = -(-seq_len // self.block_size)
+            request = runner.requests[req_id]
+            prompt_len = request.num_prompt_tokens
+            pages = WORKER_STATE.requests.get(req_id)
+            if pages is not None and start == 0:
+                # Preempted and recomputed from scratch: compression is redone.
+                WORKER_STATE.forget([req_id])
+                pages = None
+            if query_len == 0:
+                continue
+            if pages is None and start >= prompt_len:
+                continue
+            override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
+            budget = WORKER_STATE.config.budget_for(prompt_len, override)
+            if pages is not None:
+                pages.add_blocks(block_table[row, len(pages.blocks) : num_blocks].tolist())
+                per_head_rows.append((row, req_id, pages, query_len))
+                reading = start < prompt_len
+                evicts = policy.evicts_while_reading if reading else policy.evicts_in_decode
+                if evicts and self._evicts_now(req_id, pages, query_len, reading):
+                    done = reading and prompt_len <= seq_len
+                    relocations.append(_relocation(req_id, pages, None, None, None, done))
+                continue
+            if budget is None and policy.needs_budget:
+                continue  # short prompt: stays on the stock path
+            window_idx = _window_tokens(int(qsl[row]), start, seq_len, prompt_len)
+            reading = seq_len < request.num_tokens  # the prompt (after a preemption: prompt and output)
+            if reading and not (policy.evicts_while_reading and seq_len > budget):
+                if window_idx.numel():
+                    stash.append(WindowStash(req_id, window_idx))
+                continue
+            pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist())
+            WORKER_STATE.requests[req_id] = pages
+            chooses = seq_len if reading else prompt_len
+            relocations.append(_relocation(req_id, pages, chooses, seq_len, budget, not reading, window_idx))
+        step = RelocatingStep(relocations=relocations, window_stash=stash)
+        if per_head_rows:
+            step.per_head = self._per_head_batch(per_head_rows, qsl)
+            stock_rows = sorted(set(range(num_reqs)) - {row for row, _, _, _ in per_head_rows})
+            step.stock = self._stock_batch(stock_rows, batch)
+        return step
+
+    @functools.cached_property
+    def _source_layers(self) -> list[int | None]:
+        return WORKER_STATE.policy.source_layers(self.num_layers)
+
+    def _selecting(self, batch: HostBatch) -> SelectingStep | None:
+        """OmniKV: decode rows whose context is over their budget attend sparsely in the sparse layers;
+        with ``--kv-offload``, prompts over budget move their sparse layers to the host pool."""
+        runner = WORKER_STATE.runner
+        config = WORKER_STATE.config
+        num_reqs, qsl = batch.num_reqs, batch.query_start_loc
+        seq_lens = batch.seq_lens.numpy()
+        rows, budgets, offloaded_rows, offloads = [], [], [], []
+        for row, req_id in enumerate(batch.req_ids):
+            request = runner.requests[req_id]
+            seq_len = int(seq_lens[row])
+            query_len = int(qsl[row + 1] - qsl[row])
+            offloaded = WORKER_STATE.offloaded.get(req_id)
+            if offloaded is not None and seq_len == query_len:
+                WORKER_STATE.forget([req_id])  # preempted and recomputed from scratch
+                offloaded = None
+            override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
+            budget = config.sparse_budget(seq_len, self.num_layers, override)
+            if offloaded is not None:
+                if query_len != 1:
+                    raise RuntimeError("an offloaded request takes one new token per step")
+                offloaded_rows.append((row, offloaded, budget))
+                continue
+            decoding = query_len == 1 and request.num_prompt_tokens < seq_len == request.num_tokens
+            if not decoding:
+                if WORKER_STATE.offloads and seq_len == request.num_tokens and budget < seq_len:
+                    offload = self._offload(req_id, batch.block_table[row], seq_len, budget)
+                    if offload is not None:
+                        offloads.append(offload)
+                continue  # prompt (or recompute) chunks: full attention
+            if budget < seq_len:
+                rows.append(row)
+                budgets.append(budget)
+        if not (rows or offloaded_rows or offloads):
+            return None
+        context = None
+        if rows:
+            row_idx = torch.tensor(rows, dtype=torch.int64)
+            context = ContextSelection(
+                token_idx=torch.from_numpy(qsl[rows].astype(np.int64)),
+                seq_lens=batch.seq_lens[row_idx],
+                block_table=batch.block_table[row_idx],
+                budgets=budgets,
+                plan=self._rows_plan,
+            )
+        away = {row for row, _, _ in offloaded_rows}
+        stock_rows = sorted(set(range(num_reqs)) - set(rows) - away)
+        step = SelectingStep(
+            sources=self._source_layers, stock=self._stock_batch(stock_rows, batch), context=context, offloads=offloads
+        )
+        if offloaded_rows:
+            step.offloaded = self._offloaded_batch(offloaded_rows, batch)
+            step.resident = self._stock_batch(sorted(set(range(num_reqs)) - away), batch)
+        return step
+
+    def _rows_plan(self, query_start_loc, seq_lens, block_table):
+        return self.plan(query_start_loc, seq_lens, block_table, self.num_kv_heads, self.queries_per_kv)
+
+    def _heads_plan(self, query_start_loc, seq_lens, block_table):
+        return self.plan(query_start_loc, seq_lens, block_table, 1, self.queries_per_kv)
+
+    def _offload(self, req_id: str, block_table, length: int, budget: int) -> OffloadPlan | None:
+        """Plan the offload of a prompt that completes this step; None when the host pool is full."""
+        space = WORKER_STATE.page_space()
+        num_blocks = -(-length // self.block_size)
+        request = OffloadedRequest(
+            space.layer_base, self.num_kv_heads, self.block_size, block_table[:num_blocks].tolist(),
+            [source is None for source in self._source_layers],
+        )
+        staging = -(-budget // self.block_size) - 1
+        try:
+            plan = request.offload(length, WORKER_STATE.host_pool(), staging, self.max_model_len)
+        except MemoryError:
+            WORKER_STATE.counters["offload_refused"] += 1
+            return None
+        WORKER_STATE.offloaded[req_id] = request
+        WORKER_STATE.offloaded_this_step[req_id] = plan.keep_blocks
+        return plan
+
+    def _offloaded_batch(self, rows, batch: HostBatch) -> OffloadedBatch:
+        heads, qsl = self.num_kv_heads, batch.query_start_loc
+        host = WORKER_STATE.host_pool()
+        slots, flushes = [], []
+        for row, request, _ in rows:
+            num_blocks = -(-(request.length + 1) // self.block_size)
+            request.add_blocks(batch.block_table[row, len(request.blocks) : num_blocks].tolist())
+            row_slots, row_flushes = request.append(host)
+            slots.append(row_slots)
+            flushes.append(row_flushes)
+        token_idx = torch.tensor([int(qsl[row]) for row, _, _ in rows], dtype=torch.int64)
+        requests = [request for _, request, _ in rows]
+        query_start_loc = torch.arange(len(rows) * heads + 1, dtype=torch.int32)
+        seq_lens = torch.tensor([r.length for r in requests], dtype=torch.int32).repeat_interleave(heads)
+        full = {}
+        for layer, source in enumerate(self._source_layers):
+            if source is None:
+                table = padded_table([pages for request in requests for pages in request.full_table(layer)])
+                full[layer] = AttentionBatch(
+                    token_idx, query_start_loc, seq_lens, table, 1, self._heads_plan(query_start_loc, seq_lens, table)
+                )
+        return OffloadedBatch(
+            token_idx=token_idx,
+            token_of=token_idx.repeat_interleave(heads),
+            head_of=torch.arange(heads).repeat(len(rows)),
+            requests=requests,
+            budgets=[budget for _, _, budget in rows],
+            slots=torch.stack(slots, dim=1).reshape(self.num_layers, -1),
+            flushes=[PageCopies.cat([row[layer] for row in flushes]) for layer in range(self.num_layers)],
+            full=full,
+            plan=self._heads_plan,
+        )
+
+    def _evicts_now(self, req_id: str, pages: RequestPages, query_len: int, reading: bool) -> bool:
+        """An evicting policy compresses at every prompt chunk over budget, and in decode once some
+        layer is a page's worth over its budget (then every layer over budget is brought back to it)."""
+        lengths = pages.lengths
+        if (lengths != lengths[:, :1]).any():
+            raise RuntimeError("a policy that evicts must keep the same count in every head of a layer")
+        over = lengths[:, 0] + query_len - np.asarray(WORKER_STATE.carried[req_id].budgets)
+        return over.max() > 0 if reading else over.max() >= self.block_size
+
+    def _per_head_batch(self, rows, qsl) -> PerHeadBatch:
+        heads = self.num_kv_heads
+        token_idx = torch.cat([torch.arange(int(qsl[row]), int(qsl[row]) + q) for row, _, _, q in rows])
+        token_of, head_of, slots = [], [], []
+        for row, _, pages, query_len in rows:
+            tokens = torch.arange(int(qsl[row]), int(qsl[row]) + query_len)
+            token_of.append(tokens.repeat(heads))
+            head_of.append(torch.arange(heads).repeat_interleave(query_len))
+            slots.append(pages.append(query_len).transpose(0, 2, 1).reshape(self.num_layers, -1))  # [layers, H*q]
+        query_lens = torch.tensor([query_len for _, _, _, query_len in rows]).repeat_interleave(heads)
+        query_start_loc = torch.zeros(query_lens.numel() + 1, dtype=torch.int32)
+        query_start_loc[1:] = query_lens.cumsum(0)
+        lengths = np.stack([pages.lengths for _, _, pages, _ in rows], axis=1)
+        width = max(pages.max_pages() for _, _, pages, _ in rows)
+        tables = torch.from_numpy(np.concatenate([pages.page_table(width) for _, _, pages, _ in rows], axis=1))
+        layers, by_lengths = [], {}
+        for layer in range(self.num_layers):
+            seq_lens = torch.from_numpy(lengths[layer].reshape(-1).astype(np.int32))
+            key = seq_lens.numpy().tobytes()  # a one-head plan depends on lengths only (``Planner``)
+            if key not in by_lengths:
+                by_lengths[key] = self._heads_plan(query_start_loc, seq_lens, tables[layer])
+            layers.append(AttentionBatch(token_idx, query_start_loc, seq_lens, tables[layer], 1, by_lengths[key]))
+        return PerHeadBatch(
+            token_idx,
+            torch.cat(token_of),
+            torch.cat(head_of),
+            layers,
+            torch.from_numpy(np.concatenate(slots, axis=1)),
+            [req_id for _, req_id, _, _ in rows],
+        )
+
+    def _stock_batch(self, rows, batch: HostBatch) -> AttentionBatch:
+        qsl = batch.query_start_loc
+        query_lens = [int(qsl[row + 1] - qsl[row]) for row in rows]
+        token_idx = torch.cat(
+            [torch.arange(int(qsl[row]), int(qsl[row + 1])) for row in rows] or [torch.zeros(0, dtype=torch.int64)]
+        )
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        row_idx = torch.tensor(rows, dtype=torch.int64)
+        seq_lens = batch.seq_lens[row_idx]
+        table = batch.block_table[row_idx]
+        return AttentionBatch(
+            token_idx, query_start_loc, seq_lens, table, self.num_kv_heads, self._rows_plan(query_start_loc, seq_lens, table)
+        )
+
+
+def _relocation(req_id, pages, num_tokens, num_computed, budget, prompt_done, window_idx=None) -> Relocation:
+    WORKER_STATE.relocated_this_step[req_id] = prompt_done
+    if window_idx is None:
+        window_idx = torch.zeros(0, dtype=torch.int64)
+    return Relocation(req_id, pages, num_tokens, num_computed, budget, window_idx)
+
+
+def _window_tokens(first_token: int, start: int, end: int, prompt_len: int) -> torch.Tensor:
+    """Batch indices of this chunk's tokens whose queries the policy scores with.
+
+    The observation window (the last ``window`` prompt tokens), or every
+    prompt token for policies that accumulate attention over the prompt.
+    """
+    policy = WORKER_STATE.policy
+    if policy.needs_queries:
+        window = prompt_len
+    elif policy.needs_window:
+        window = WORKER_STATE.config.window
+    else:
+        return torch.zeros(0, dtype=torch.int64)
+    window_start = max(prompt_len - window, start)
+    window_end = max(min(end, prompt_len), window_start)
+    return torch.arange(first_token + window_start - start, first_token + window_end - start)
+
+
+def padded_table(rows: list[list[int]]) -> torch.Tensor:
+    """A block table with one row per virtual sequence, zero-padded to the longest."""
+    table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+    for i, pages in enumerate(rows):
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    return table
