@@ -18,6 +18,7 @@ from kvpolicy.policies import POLICIES
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
     AsyncEngineArgs,
+    AttentionBackendEnum,
     EngineArgs,
     InputProcessor,
     KVTransferConfig,
@@ -31,7 +32,11 @@ ARG_GROUP = "KVPolicy"
 CONNECTOR_NAME = "KVPolicyConnector"
 CONNECTOR_MODULE = "kvpolicy.vllm.connector"
 CPU_WORKER_CLS = "kvpolicy.vllm.worker.KVPolicyCPUWorker"
+GPU_WORKER_CLS = "kvpolicy.vllm.worker.KVPolicyGPUWorker"
+#: Head sizes vLLM's CPU attention kernels serve.
 SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: kvpolicy's Triton kernels hold a head in one tile: head sizes up to this (CUDA).
+TRITON_MAX_HEAD_SIZE = 256
 
 #: kwarg / CLI dest -> KVPolicyConfig field
 OPTION_FIELDS = {f"kv_{f.name}": f.name for f in fields(KVPolicyConfig)}
@@ -139,10 +144,7 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         raise KVPolicyConfigError(
             "--kv-policy installs its own KV connector; drop --kv-transfer-config"
         )
-    if not current_platform.is_cpu():
-        raise KVPolicyConfigError(
-            "--kv-policy runs on vLLM's CPU backend in this release; the GPU backend is not available yet"
-        )
+    worker_cls = _platform_worker(engine_args, config)
     if config.rewrites_blocks:
         if engine_args.enable_prefix_caching:
             what = f"--kv-policy {config.policy}" + (" --kv-offload" if config.offload is not None else "")
@@ -168,9 +170,30 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         kv_role="kv_both",
         kv_connector_module_path=CONNECTOR_MODULE,
     )
-    if engine_args.worker_cls not in ("auto", CPU_WORKER_CLS):
+    if engine_args.worker_cls not in ("auto", worker_cls):
         raise KVPolicyConfigError("--kv-policy needs its own worker class; drop --worker-cls")
-    engine_args.worker_cls = CPU_WORKER_CLS
+    engine_args.worker_cls = worker_cls
+
+
+def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
+    """The worker for this platform; on CUDA, kvpolicy's backend wraps vLLM's Triton attention."""
+    if current_platform.is_cpu():
+        return CPU_WORKER_CLS
+    if not current_platform.is_cuda():
+        raise KVPolicyConfigError("--kv-policy runs on vLLM's CPU and CUDA platforms only; use --kv-policy none")
+    if config.changes_attention:
+        chosen = engine_args.attention_backend
+        if chosen is not None and chosen != AttentionBackendEnum.TRITON_ATTN:
+            raise KVPolicyConfigError(
+                f"--kv-policy {config.policy} runs inside vLLM's Triton attention backend on CUDA; "
+                f"drop --attention-backend {getattr(chosen, 'name', chosen)} (or set it to TRITON_ATTN)"
+            )
+        engine_args.attention_backend = AttentionBackendEnum.TRITON_ATTN
+    if config.offload is not None:
+        raise KVPolicyConfigError(
+            "--kv-offload is not available on CUDA in this release (its host tier was only run on CPU); drop it"
+        )
+    return GPU_WORKER_CLS
 
 
 def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
@@ -180,10 +203,15 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
     if not config.changes_attention:
         return
     head_size = model_config.get_head_size()
-    if head_size not in SUPPORTED_HEAD_SIZES:
+    if current_platform.is_cpu() and head_size not in SUPPORTED_HEAD_SIZES:
         raise KVPolicyConfigError(
             f"head size {head_size} of {model_config.model} is not served by the CPU attention "
             f"kernels ({', '.join(map(str, SUPPORTED_HEAD_SIZES))}); use --kv-policy none"
+        )
+    if current_platform.is_cuda() and head_size > TRITON_MAX_HEAD_SIZE:
+        raise KVPolicyConfigError(
+            f"head size {head_size} of {model_config.model} is over what kvpolicy's Triton kernels "
+            f"hold ({TRITON_MAX_HEAD_SIZE}); use --kv-policy none"
         )
     if model_config.use_mla:
         raise KVPolicyConfigError(f"{model_config.model} uses MLA attention; use --kv-policy none")

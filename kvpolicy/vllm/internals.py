@@ -24,11 +24,17 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core import kv_cache_utils
 
 #: Where the CPU platform's attention backend lives; we subclass its pieces.
 CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
+#: Where vLLM's Triton attention backend lives (CUDA); the CUDA backend subclasses its pieces. Its cache
+#: is [blocks, kv_heads, block_size, 2*head_size] in logical order, any physical strides.
+TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
+#: The GPU worker (``worker_cls="auto"`` on CUDA).
+GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 #: Cores vLLM's CPU executor keeps away from the workers (vllm/utils/ompmultiprocessing.py).
 #: It adds one per rank for *any* KV connector (meant for NIXL transfers).
 CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -60,10 +66,12 @@ def release_blocks_from(kv_cache_manager, req_id: str, keep_blocks: int) -> None
 __all__ = [
     "AsyncEngineArgs",
     "AttentionBackendEnum",
+    "AttentionCGSupport",
     "CPU_ATTN_MODULE",
     "CPU_RESERVED_CORES_ENV",
     "CPU_WORKER_MODULE",
     "EngineArgs",
+    "GPU_WORKER_MODULE",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorPromMetrics",
@@ -73,6 +81,7 @@ __all__ = [
     "KVTransferConfig",
     "KV_MEMORY_NEEDED_FUNCTIONS",
     "SamplingParams",
+    "TRITON_ATTN_MODULE",
     "VLLMValidationError",
     "VllmConfig",
     "current_platform",

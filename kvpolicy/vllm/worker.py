@@ -1,18 +1,27 @@
-"""The worker hook: publishes the model runner and drops state of finished requests."""
+"""The worker hook: publishes the model runner and drops state of finished requests.
+
+One mixin over the platform's worker: ``KVPolicyCPUWorker`` (vLLM's CPU
+worker) and ``KVPolicyGPUWorker`` (its GPU worker), each made on first
+access so that a platform never imports the other's worker module.
+"""
 
 from __future__ import annotations
 
 import importlib
 
 from kvpolicy.vllm.args import stored_config
-from kvpolicy.vllm.internals import CPU_WORKER_MODULE
+from kvpolicy.vllm.internals import CPU_WORKER_MODULE, GPU_WORKER_MODULE
 from kvpolicy.vllm.state import WORKER_STATE
 
-CPUWorker = importlib.import_module(CPU_WORKER_MODULE).CPUWorker
+#: class name -> (vLLM's worker module, its worker class)
+_PLATFORM_WORKERS = {
+    "KVPolicyCPUWorker": (CPU_WORKER_MODULE, "CPUWorker"),
+    "KVPolicyGPUWorker": (GPU_WORKER_MODULE, "Worker"),
+}
 
 
-class KVPolicyCPUWorker(CPUWorker):
-    """vLLM's CPU worker, plus the two things the per-head backend needs from it."""
+class KVPolicyWorkerHooks:
+    """The two things the backends need from a worker: the runner, and which requests are gone."""
 
     def init_device(self):
         super().init_device()
@@ -22,3 +31,12 @@ class KVPolicyCPUWorker(CPUWorker):
         WORKER_STATE.forget(scheduler_output.finished_req_ids)
         WORKER_STATE.forget(scheduler_output.preempted_req_ids)
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+
+def __getattr__(name: str):
+    if name not in _PLATFORM_WORKERS:
+        raise AttributeError(name)
+    module, base = _PLATFORM_WORKERS[name]
+    cls = type(name, (KVPolicyWorkerHooks, getattr(importlib.import_module(module), base)), {"__module__": __name__})
+    globals()[name] = cls
+    return cls

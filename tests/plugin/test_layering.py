@@ -1,13 +1,20 @@
-"""DESIGN §2: policies/ and paging/ import no vLLM; only kvpolicy.vllm does."""
+"""DESIGN §2: policies/ and paging/ import no vLLM; only kvpolicy.vllm does; the Triton kernels stand alone."""
 
 import subprocess
 import sys
 
 
-def test_pure_layers_do_not_import_vllm():
-    code = (
-        "import sys, kvpolicy, kvpolicy.config, kvpolicy.policies, kvpolicy.paging, kvpolicy.model, kvpolicy.calibrate;"
-        "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
-    )
+def _modules_after(imports: str) -> set[str]:
+    code = f"import sys, {imports}; print('\\n'.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    return set(out.stdout.split())
+
+
+def test_pure_layers_do_not_import_vllm():
+    loaded = _modules_after("kvpolicy, kvpolicy.config, kvpolicy.policies, kvpolicy.paging, kvpolicy.model, kvpolicy.calibrate")
+    assert not any(m == "vllm" or m.startswith("vllm.") for m in loaded)
+
+
+def test_triton_kernels_import_neither_vllm_nor_kvpolicy():
+    loaded = _modules_after("kvpolicy_triton")
+    assert not any(m.split(".")[0] in ("vllm", "kvpolicy") for m in loaded)

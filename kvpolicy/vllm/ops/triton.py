@@ -1,0 +1,151 @@
+"""``KVOps`` on kvpolicy's own Triton kernels (``triton_kernels/``, installed as ``kvpolicy_triton``).
+
+The GPU backend's ops. On a CPU machine they run in Triton's interpreter
+(``TRITON_INTERPRET=1``) over vLLM's CPU cache, which is how the GPU path is
+tested end to end without a GPU. Kernels address the cache through a
+``PageGeometry`` read off the real tensor: its strides on CUDA, the CPU
+writer's discovered in-page layout on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvpolicy_triton import (
+    PageGeometry,
+    context_token_scores,
+    gather_tokens,
+    move_tokens,
+    new_token_weights,
+    paged_attention,
+    scatter_tokens,
+    write_slots,
+)
+from kvpolicy.vllm.ops.base import KVOps
+from kvpolicy.vllm.step import AttentionBatch
+
+
+@dataclass(frozen=True)
+class VirtualSequences:
+    """A call's one-head virtual sequences: ``seq_of[i]`` for each virtual token, and, for rows in
+    vLLM's layout (``kv_heads > 1``), their expansion into one sequence per (row, head):
+    ``local_token`` indexes the call's own tokens (``AttentionBatch.token_idx``)."""
+
+    seq_of: torch.Tensor
+    local_token: torch.Tensor | None = None
+    head_of: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+
+
+def _sequence_of_tokens(query_start_loc: torch.Tensor) -> torch.Tensor:
+    counts = query_start_loc[1:].long() - query_start_loc[:-1].long()
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+
+
+def plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads: int, queries_per_kv: int) -> VirtualSequences:
+    """The ``Planner`` of the Triton ops. Rows in vLLM's layout become ``kv_heads`` one-head sequences
+    each (ordered row, head, position), over pages ``block * kv_heads + head``."""
+    if kv_heads == 1 or query_start_loc.numel() == 1:
+        return VirtualSequences(_sequence_of_tokens(query_start_loc))
+    qsl = query_start_loc.long()
+    counts = qsl[1:] - qsl[:-1]
+    rows = counts.numel()
+    heads = torch.arange(kv_heads)
+    local = [torch.arange(int(qsl[r]), int(qsl[r + 1])).repeat(kv_heads) for r in range(rows)]
+    head_of = [heads.repeat_interleave(int(counts[r])) for r in range(rows)]
+    virtual_qsl = torch.zeros(rows * kv_heads + 1, dtype=torch.int32)
+    virtual_qsl[1:] = counts.repeat_interleave(kv_heads).cumsum(0)
+    table = block_table.long()[:, None, :] * kv_heads + heads[None, :, None]
+    return VirtualSequences(
+        seq_of=_sequence_of_tokens(virtual_qsl),
+        local_token=torch.cat(local) if local else torch.zeros(0, dtype=torch.int64),
+        head_of=torch.cat(head_of) if head_of else torch.zeros(0, dtype=torch.int64),
+        query_start_loc=virtual_qsl,
+        seq_lens=seq_lens.repeat_interleave(kv_heads),
+        page_table=table.reshape(rows * kv_heads, -1),
+    )
+
+
+def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
+    """Where tokens lie in ``cache`` [n, h, block_size, 2*head_size]: its strides on a GPU; on CPU the
+    cache writer's packing inside each contiguous page, which must be affine (the vec ISAs)."""
+    if cache.is_cuda:
+        return PageGeometry.head_major(cache)
+    from kvpolicy.vllm.ops.cpu import cache_layout
+
+    layout = cache_layout(layer, cache)
+    keys, values = layout.affine_keys, layout.affine_values
+    if keys is None or values is None:
+        raise RuntimeError(f"the Triton ops need an affine in-page layout; vLLM's CPU ISA {layer.isa!r} packs otherwise")
+    heads, block_size, width = cache.shape[1:]
+    page_elems = block_size * width
+    return PageGeometry(block_size, width // 2, heads, heads * page_elems, page_elems, *keys, *values)
+
+
+def _on(device: torch.device, *tensors):
+    """The step's index tensors are built on the host; kernels read them where the cache is."""
+    return [t.to(device, non_blocking=True) for t in tensors]
+
+
+class TritonOps(KVOps):
+    """``impl``: the attention impl whose scale and head counts the kernels use."""
+
+    def __init__(self, impl=None):
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "kvpolicy's Triton ops need a GPU; on a CPU machine they run only in Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before starting, for tests), or drop KVPOLICY_OPS=triton"
+            )
+        self.impl = impl
+        if impl is not None:
+            unsupported = [
+                name
+                for name, value in (
+                    ("ALiBi", impl.alibi_slopes),
+                    ("attention sinks", getattr(impl, "sinks", None)),
+                    ("logit soft-capping", impl.logits_soft_cap),
+                )
+                if value
+            ]
+            if unsupported:
+                raise NotImplementedError(f"kvpolicy's Triton attention does not implement {', '.join(unsupported)}")
+
+    def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
+        return plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)
+
+    def write(self, layer, cache, key, value, token_of, head_of, slots):
+        write_slots(cache, cache_geometry(layer, cache), key, value, *_on(cache.device, token_of, head_of, slots))
+
+    def attend(self, layer, query, out, cache, batch: AttentionBatch, token_of=None, head_of=None):
+        virtual: VirtualSequences = batch.plan
+        qsl, seq_lens, table = batch.query_start_loc, batch.seq_lens, batch.block_table
+        if batch.kv_heads > 1:
+            if not batch.token_idx.numel():
+                return
+            token_of, head_of = batch.token_idx[virtual.local_token], virtual.head_of
+            qsl, seq_lens, table = virtual.query_start_loc, virtual.seq_lens, virtual.page_table
+        indices = _on(cache.device, token_of, head_of, virtual.seq_of, qsl, seq_lens, table)
+        paged_attention(query, out, cache, cache_geometry(layer, cache), *indices, self.impl.scale, self.impl.num_kv_heads)
+
+    def gather(self, layer, cache, slots):
+        return gather_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots))
+
+    def scatter(self, layer, cache, slots, keys, values):
+        scatter_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots, keys, values))
+
+    def move(self, layer, cache, src, dst):
+        move_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, src, dst))
+
+    def new_token_weights(self, layer, query, cache, batch, token_of, head_of):
+        indices = _on(cache.device, token_of, head_of, batch.block_table, batch.seq_lens)
+        geometry = cache_geometry(layer, cache)
+        return new_token_weights(query, cache, geometry, *indices, self.impl.scale, self.impl.num_kv_heads).double()
+
+    def context_scores(self, layer, query, cache, page_ids, token_idx, lengths):
+        indices = _on(cache.device, token_idx, page_ids, lengths)
+        return context_token_scores(query, cache, cache_geometry(layer, cache), *indices, self.impl.scale).double()
