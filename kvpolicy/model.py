@@ -132,6 +132,47 @@ def prepare(out_dir: Path | None = None, force: bool = False) -> Path:
     return out_dir
 
 
+TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def prepare_tiny(num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 32, seed: int = 0) -> Path:
+    """A random-weight Llama of the given shape with the default model's tokenizer, saved as an HF folder.
+
+    For shapes the default model lacks (GQA splits, few layers for interpreted
+    kernels); made locally and deterministically from ``seed``, never downloaded.
+    """
+    out_dir = cache_root() / "models" / f"tiny-l{num_layers}-h{num_heads}-kv{num_kv_heads}-d{head_size}-s{seed}"
+    if (out_dir / MANIFEST).exists():
+        return out_dir
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = prepare()
+    default = json.loads((source / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=default["vocab_size"],
+        hidden_size=num_heads * head_size,
+        intermediate_size=2 * num_heads * head_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_size,
+        max_position_embeddings=default.get("max_position_embeddings", 8192),
+        bos_token_id=default.get("bos_token_id"),
+        eos_token_id=default.get("eos_token_id"),
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    staging = out_dir.with_name(out_dir.name + ".partial")
+    LlamaForCausalLM(config).save_pretrained(staging, safe_serialization=True)
+    for name in TINY_TOKENIZER_FILES:
+        (staging / name).write_bytes((source / name).read_bytes())
+    (staging / MANIFEST).write_text(json.dumps({"source": f"random weights, seed {seed}", "files": _manifest(staging)}, indent=1))
+    staging.rename(out_dir)
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpolicy-model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="target folder")

@@ -76,23 +76,26 @@ def engine_run(model_path, tmp_path_factory):
     """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags.
 
     With ``fails=True`` the engine must not start; the result is its stderr.
+    ``model``: another model folder than the default one.
     """
     out_dir = tmp_path_factory.mktemp("engine-runs")
-    done: dict[tuple[str, ...], dict | str] = {}
+    done: dict[tuple, dict | str] = {}
 
-    def run(*flags: str, fails: bool = False) -> dict | str:
-        if flags not in done:
+    def run(*flags: str, fails: bool = False, model=None) -> dict | str:
+        model = str(model or model_path)
+        key = (model, *flags)
+        if key not in done:
             out = out_dir / f"run{len(done)}.json"
             proc = subprocess.run(
-                [sys.executable, str(ENGINE_RUNNER), "--model", str(model_path), "--out", str(out), *flags],
+                [sys.executable, str(ENGINE_RUNNER), "--model", model, "--out", str(out), *flags],
                 capture_output=True, text=True, timeout=900,
             )
             if fails:
                 assert proc.returncode != 0, "the engine was expected to refuse these settings"
-                done[flags] = proc.stderr
+                done[key] = proc.stderr
             else:
                 assert proc.returncode == 0, proc.stderr[-4000:]
-                done[flags] = json.loads(out.read_text())
-        return done[flags]
+                done[key] = json.loads(out.read_text())
+        return done[key]
 
     return run

@@ -83,7 +83,9 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens")
     parser.add_argument("--filter-layers", default=None, help="omnikv: comma-separated filter layers")
+    parser.add_argument("--dense-layers", type=int, default=None, help="omnikv: layers below it attend fully")
     parser.add_argument("--offload", type=float, default=None, help="omnikv: host pool GiB (--kv-offload)")
+    parser.add_argument("--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -94,6 +96,10 @@ def main() -> int:
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.ops:
+        os.environ["KVPOLICY_OPS"] = args.ops
+        if args.ops == "triton":
+            os.environ["TRITON_INTERPRET"] = "1"
     if args.stock:
         os.environ["VLLM_PLUGINS"] = ""
     else:
@@ -106,6 +112,8 @@ def main() -> int:
         kwargs["kv_cache_memory_bytes"] = args.pool_mib << 20
     if args.filter_layers:
         kwargs["kv_filter_layers"] = tuple(int(layer) for layer in args.filter_layers.split(","))
+    if args.dense_layers is not None:
+        kwargs["kv_dense_layers"] = args.dense_layers
     if args.offload:
         kwargs["kv_offload"] = args.offload
     llm = LLM(
@@ -146,7 +154,10 @@ def main() -> int:
         2 * model.hf_config.num_hidden_layers * model.hf_config.num_key_value_heads
         * config.cache_config.block_size * model.get_head_size() * model.dtype.itemsize
     )
+    from kvpolicy.vllm.state import WORKER_STATE
+
     summary = {
+        "ops": WORKER_STATE.ops,
         "counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions,
         "block_bytes": block_bytes,
     }
