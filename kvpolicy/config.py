@@ -12,6 +12,10 @@ OMNIKV_FILTER_LAYERS = (2, 9, 15)
 OMNIKV_DENSE_LAYERS = 2
 
 
+#: Options a request may set in ``SamplingParams.extra_args`` (OpenAI API: ``vllm_xargs``).
+REQUEST_OPTIONS = ("kv_budget", "kv_policy")
+
+
 class KVPolicyConfigError(ValueError):
     """A setting that cannot be served; the message says what to change."""
 
@@ -124,6 +128,37 @@ class KVPolicyConfig:
         if POLICIES[self.policy].needs_window:
             budget = max(budget, self.window + 1)
         return budget if budget < prompt_len else None
+
+    def request_policies(self) -> list[str]:
+        """What a request's ``kv_policy`` may name on this server: ``none`` (it stays on vLLM's stock
+        path) and the server's policy family (policies that differ only in which tokens they keep)."""
+        family = POLICIES[self.policy].family_name()
+        same = sorted(name for name, cls in POLICIES.items() if cls.family_name() == family and name != "none")
+        return ["none", *same]
+
+    def check_request_options(self, extra_args: dict, max_model_len: int) -> dict:
+        """A request's ``kv_*`` options (``vllm_xargs``), checked; other keys belong to others and are left."""
+        options = {key: value for key, value in extra_args.items() if key.startswith("kv_")}
+        unknown = sorted(set(options) - set(REQUEST_OPTIONS))
+        if unknown:
+            raise KVPolicyConfigError(
+                f"unknown request option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"kvpolicy takes {', '.join(REQUEST_OPTIONS)} per request"
+            )
+        policy = options.get("kv_policy", self.policy)
+        if "kv_policy" in options:
+            allowed = self.request_policies()
+            if not isinstance(policy, str) or policy not in allowed:
+                raise KVPolicyConfigError(
+                    f"kv_policy {policy!r} cannot be served by this server (--kv-policy {self.policy}): a request "
+                    f"may ask for {', '.join(allowed)}; other policies read different inputs or change the "
+                    "scheduler's accounting, so they need a server started with them"
+                )
+        if "kv_budget" in options:
+            if policy == "none":
+                raise KVPolicyConfigError("kv_budget does not apply to a request with kv_policy 'none'")
+            self.check_request_budget(options["kv_budget"], max_model_len)
+        return options
 
     def check_request_budget(self, value, max_model_len: int) -> int:
         """A per-request ``kv_budget`` (``vllm_xargs``): an int in (window, max_model_len]."""

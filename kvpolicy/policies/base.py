@@ -83,7 +83,9 @@ class Policy:
     attention weights over the cache are added to the cached tokens'
     ``scores`` (the backend computes them beside the fused kernel).
     ``selects_context``: nothing is relocated; in decode, some layers attend
-    only to the pages other layers selected (OmniKV).
+    only to the pages other layers selected (OmniKV). ``family``: policies that
+    differ only in which tokens ``compress`` keeps (same flags, same inputs), so
+    one server can serve any of them per request; by default its own name.
     """
 
     name: ClassVar[str]
@@ -96,6 +98,11 @@ class Policy:
     evicts_in_decode: ClassVar[bool] = False
     accumulates_attention: ClassVar[bool] = False
     selects_context: ClassVar[bool] = False
+    family: ClassVar[str | None] = None
+
+    @classmethod
+    def family_name(cls) -> str:
+        return cls.family or cls.name
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""

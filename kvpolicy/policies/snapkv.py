@@ -88,6 +88,7 @@ class SnapKV(Policy):
     """Uniform per-head budget, top-k by observation-window score."""
 
     name = "snapkv"
+    family = "snapkv"
     relocates = True
     needs_window = True
     window: int = 32

@@ -40,8 +40,9 @@ TRITON_MAX_HEAD_SIZE = 256
 
 #: kwarg / CLI dest -> KVPolicyConfig field
 OPTION_FIELDS = {f"kv_{f.name}": f.name for f in fields(KVPolicyConfig)}
-#: per-request override, in SamplingParams.extra_args (OpenAI API: ``vllm_xargs``)
+#: per-request overrides, in SamplingParams.extra_args (OpenAI API: ``vllm_xargs``)
 REQUEST_BUDGET_KEY = "kv_budget"
+REQUEST_POLICY_KEY = "kv_policy"
 _PATCHED = "_kvpolicy_patched"
 
 
@@ -269,12 +270,13 @@ def patch_engine_args() -> None:
     @functools.wraps(original_validate)
     def _validate_params(self, params, *args, **kwargs):
         result = original_validate(self, params, *args, **kwargs)
-        if isinstance(params, SamplingParams) and REQUEST_BUDGET_KEY in (params.extra_args or {}):
+        extra = params.extra_args if isinstance(params, SamplingParams) else None
+        if extra and any(key.startswith("kv_") for key in extra):
             config = stored_config(self.vllm_config.additional_config) or KVPolicyConfig()
             try:
-                config.check_request_budget(params.extra_args[REQUEST_BUDGET_KEY], self.model_config.max_model_len)
+                config.check_request_options(extra, self.model_config.max_model_len)
             except KVPolicyConfigError as exc:
-                raise VLLMValidationError(str(exc), parameter=REQUEST_BUDGET_KEY) from None
+                raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
         return result
 
     InputProcessor._validate_params = _validate_params

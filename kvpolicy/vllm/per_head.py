@@ -65,8 +65,8 @@ class PerHeadPath:
         the last layer then compresses every layer of the prompt.
         """
         num_layers = relocations[0].pages.num_layers
-        policy = WORKER_STATE.policy
         for relocation in relocations:
+            policy = relocation.policy
             if relocation.num_tokens is None:
                 self._evict(layer, kv_cache, layer_idx, relocation)
                 continue
@@ -115,7 +115,7 @@ class PerHeadPath:
     def _prompt(self, layer, kv_cache, layer_idx: int, relocation: Relocation, queries) -> PromptKV:
         """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs."""
         keys, values = self._read(layer, kv_cache, layer_idx, relocation, relocation.num_tokens)
-        policy = WORKER_STATE.policy
+        policy = relocation.policy
         return PromptKV(
             keys,
             window_queries=queries if policy.needs_window else None,
@@ -134,7 +134,7 @@ class PerHeadPath:
         """
         heads, head_size = kv_cache.shape[1], kv_cache.shape[-1] // 2
         pages = relocation.pages
-        policy = WORKER_STATE.policy
+        policy = relocation.policy
         result = policy.compress(prompt, budget, observation)
         generated = torch.arange(num_tokens, num_computed)
         moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in result.kept])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,7 @@ class WorkerState:
     offloaded: dict[str, OffloadedRequest] = field(default_factory=dict)
     offloaded_this_step: dict[str, int] = field(default_factory=dict)  # req id -> blocks it keeps
     host: HostPagePool | None = None
+    family: dict[str, Policy] = field(default_factory=dict)  # other policies of the family, by name
     ops: str | None = None  # the backend's KVOps class, for logs and tests
     _page_space: PageSpace | None = None
     counters: Counter = field(default_factory=Counter)
@@ -79,6 +81,7 @@ class WorkerState:
     def configure(self, config: KVPolicyConfig | None, runner: Any) -> None:
         self.config = config
         self.policy = config.make_policy() if config is not None else None
+        self.family.clear()
         self.runner = runner
         self.requests.clear()
         self.window_queries.clear()
@@ -122,6 +125,14 @@ class WorkerState:
                 pin=torch.cuda.is_available(),
             )
         return self.host
+
+    def policy_named(self, name: str | None) -> Policy:
+        """A request's policy: the server's, or another of its family (``kv_policy``, already validated)."""
+        if name is None or name == self.policy.name:
+            return self.policy
+        if name not in self.family:
+            self.family[name] = dataclasses.replace(self.config, policy=name).make_policy()
+        return self.family[name]
 
     def stash_window(self, req_id: str, layer: int, queries: torch.Tensor) -> None:
         self.window_queries.setdefault(req_id, {}).setdefault(layer, []).append(queries)

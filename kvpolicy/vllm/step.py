@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages
+from kvpolicy.policies import Policy
 
 #: ``plan(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)``: the ops' own
 #: preparation of one attention call (vLLM's scheduler metadata on CPU, virtual-token arrays for Triton).
@@ -70,9 +71,11 @@ class Relocation:
     go. The policy chooses among prompt tokens; later tokens are all kept.
     Both are None for an eviction pass over a request already relocated
     (prompt chunks, decode): each layer's cache so far, to its own budget.
+    ``policy``: the request's (the server's, or one of its family by ``kv_policy``).
     """
 
     req_id: str
+    policy: Policy
     pages: RequestPages
     num_tokens: int | None
     num_computed: int | None

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages
-from kvpolicy.vllm.args import REQUEST_BUDGET_KEY
+from kvpolicy.vllm.args import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
     AttentionBatch,
@@ -90,12 +90,12 @@ class StepBuilder:
                 # Preempted and recomputed from scratch: compression is redone.
                 WORKER_STATE.forget([req_id])
                 pages = None
-            if query_len == 0:
+            extra = request.sampling_params.extra_args or {}
+            if query_len == 0 or extra.get(REQUEST_POLICY_KEY) == "none":
                 continue
             if pages is None and start >= prompt_len:
                 continue
-            override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
-            budget = WORKER_STATE.config.budget_for(prompt_len, override)
+            budget = WORKER_STATE.config.budget_for(prompt_len, extra.get(REQUEST_BUDGET_KEY))
             if pages is not None:
                 pages.add_blocks(block_table[row, len(pages.blocks) : num_blocks].tolist())
                 per_head_rows.append((row, req_id, pages, query_len))
@@ -103,7 +103,7 @@ class StepBuilder:
                 evicts = policy.evicts_while_reading if reading else policy.evicts_in_decode
                 if evicts and self._evicts_now(req_id, pages, query_len, reading):
                     done = reading and prompt_len <= seq_len
-                    relocations.append(_relocation(req_id, pages, None, None, None, done))
+                    relocations.append(_relocation(req_id, extra, pages, None, None, None, done))
                 continue
             if budget is None and policy.needs_budget:
                 continue  # short prompt: stays on the stock path
@@ -116,7 +116,7 @@ class StepBuilder:
             pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist())
             WORKER_STATE.requests[req_id] = pages
             chooses = seq_len if reading else prompt_len
-            relocations.append(_relocation(req_id, pages, chooses, seq_len, budget, not reading, window_idx))
+            relocations.append(_relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, window_idx))
         step = RelocatingStep(relocations=relocations, window_stash=stash)
         if per_head_rows:
             step.per_head = self._per_head_batch(per_head_rows, qsl)
@@ -144,8 +144,10 @@ class StepBuilder:
             if offloaded is not None and seq_len == query_len:
                 WORKER_STATE.forget([req_id])  # preempted and recomputed from scratch
                 offloaded = None
-            override = (request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY)
-            budget = config.sparse_budget(seq_len, self.num_layers, override)
+            extra = request.sampling_params.extra_args or {}
+            if extra.get(REQUEST_POLICY_KEY) == "none":
+                continue  # full attention in every layer, like a prompt chunk
+            budget = config.sparse_budget(seq_len, self.num_layers, extra.get(REQUEST_BUDGET_KEY))
             if offloaded is not None:
                 if query_len != 1:
                     raise RuntimeError("an offloaded request takes one new token per step")
@@ -296,11 +298,12 @@ class StepBuilder:
         )
 
 
-def _relocation(req_id, pages, num_tokens, num_computed, budget, prompt_done, window_idx=None) -> Relocation:
+def _relocation(req_id, extra, pages, num_tokens, num_computed, budget, prompt_done, window_idx=None) -> Relocation:
     WORKER_STATE.relocated_this_step[req_id] = prompt_done
     if window_idx is None:
         window_idx = torch.zeros(0, dtype=torch.int64)
-    return Relocation(req_id, pages, num_tokens, num_computed, budget, window_idx)
+    policy = WORKER_STATE.policy_named(extra.get(REQUEST_POLICY_KEY))
+    return Relocation(req_id, policy, pages, num_tokens, num_computed, budget, window_idx)
 
 
 def _window_tokens(first_token: int, start: int, end: int, prompt_len: int) -> torch.Tensor:

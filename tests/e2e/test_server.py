@@ -70,6 +70,27 @@ def test_bad_request_budget_is_rejected_and_the_server_keeps_serving(client, bud
     assert "Paris" in reply.choices[0].message.content
 
 
+@pytest.mark.parametrize("extra, message", [({"kv_budgt": 128}, "unknown request option 'kv_budgt'"),
+                                           ({"kv_policy": "keydiff"}, "kv_policy 'keydiff' cannot be served")])
+def test_unknown_or_unservable_request_options_are_rejected(client, extra, message):
+    with pytest.raises(openai.BadRequestError, match=message) as error:
+        client.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=4, extra_body={"vllm_xargs": extra})
+    assert "kv_budget, kv_policy" in str(error.value) or "none, adapyramid, adasnap, pyramid, snapkv" in str(error.value)
+    reply = client.chat.completions.create(model=SERVED_NAME, messages=FRANCE, max_tokens=20, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("policy, compressed", [("none", 0), ("snapkv", 1)])
+def test_per_request_policy_none_stays_stock_and_family_members_compress(client, server, policy, compressed):
+    before = kvpolicy_counters(server)
+    reply = client.completions.create(
+        model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=4, temperature=0, extra_body={"vllm_xargs": {"kv_policy": policy}},
+    )
+    assert reply.usage.completion_tokens == 4
+    after = kvpolicy_counters(server)
+    assert after["compressed_requests"] - before.get("compressed_requests", 0) == compressed
+
+
 def test_metrics_are_served(server):
     text = requests.get(f"{server}/metrics", timeout=30).text
     assert "vllm:num_requests_running" in text

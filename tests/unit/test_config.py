@@ -100,3 +100,29 @@ def test_merge_switch_is_d2o_only():
     assert KVPolicyConfig(policy="d2o", budget=128, merge=False).make_policy().merge is False
     with pytest.raises(KVPolicyConfigError, match="--kv-merge false applies to d2o"):
         KVPolicyConfig(policy="h2o", budget=128, merge=False)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"kv_budgt": 128}, r"unknown request option 'kv_budgt'; kvpolicy takes kv_budget, kv_policy per request"),
+        ({"kv_budget": 128, "kv_ratio": 0.5}, "unknown request option 'kv_ratio'"),
+        ({"kv_policy": "keydiff"}, r"kv_policy 'keydiff' cannot be served .*--kv-policy adasnap.*none, adapyramid, adasnap, pyramid, snapkv"),
+        ({"kv_policy": 3}, "kv_policy 3 cannot be served"),
+        ({"kv_policy": "none", "kv_budget": 64}, "kv_budget does not apply to a request with kv_policy 'none'"),
+        ({"kv_policy": "snapkv", "kv_budget": 16}, "larger than the observation window"),
+    ],
+)
+def test_request_options_are_strict_and_say_what_is_accepted(extra, message):
+    with pytest.raises(KVPolicyConfigError, match=message):
+        KVPolicyConfig(policy="adasnap", budget=256).check_request_options(extra, 4096)
+
+
+def test_request_policies_are_none_and_the_servers_family():
+    adasnap = KVPolicyConfig(policy="adasnap", budget=256)
+    assert adasnap.check_request_options({"kv_policy": "pyramid", "kv_budget": 64, "top_k_other": 1}, 4096) == {
+        "kv_policy": "pyramid", "kv_budget": 64,
+    }
+    assert adasnap.check_request_options({"kv_policy": "none"}, 4096) == {"kv_policy": "none"}
+    assert KVPolicyConfig(policy="keydiff", budget=256).request_policies() == ["none", "keydiff"]
+    assert KVPolicyConfig().request_policies() == ["none"]
