@@ -13,7 +13,9 @@ OMNIKV_DENSE_LAYERS = 2
 
 
 #: Options a request may set in ``SamplingParams.extra_args`` (OpenAI API: ``vllm_xargs``).
-REQUEST_OPTIONS = ("kv_budget", "kv_policy")
+REQUEST_BUDGET_KEY = "kv_budget"
+REQUEST_POLICY_KEY = "kv_policy"
+REQUEST_OPTIONS = (REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY)
 
 
 class KVPolicyConfigError(ValueError):
@@ -145,8 +147,8 @@ class KVPolicyConfig:
                 f"unknown request option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
                 f"kvpolicy takes {', '.join(REQUEST_OPTIONS)} per request"
             )
-        policy = options.get("kv_policy", self.policy)
-        if "kv_policy" in options:
+        policy = options.get(REQUEST_POLICY_KEY, self.policy)
+        if REQUEST_POLICY_KEY in options:
             allowed = self.request_policies()
             if not isinstance(policy, str) or policy not in allowed:
                 raise KVPolicyConfigError(
@@ -154,10 +156,10 @@ class KVPolicyConfig:
                     f"may ask for {', '.join(allowed)}; other policies read different inputs or change the "
                     "scheduler's accounting, so they need a server started with them"
                 )
-        if "kv_budget" in options:
+        if REQUEST_BUDGET_KEY in options:
             if policy == "none":
                 raise KVPolicyConfigError("kv_budget does not apply to a request with kv_policy 'none'")
-            self.check_request_budget(options["kv_budget"], max_model_len)
+            self.check_request_budget(options[REQUEST_BUDGET_KEY], max_model_len)
         return options
 
     def check_request_budget(self, value, max_model_len: int) -> int:

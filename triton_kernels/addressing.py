@@ -1,4 +1,5 @@
-"""Triton side of PageGeometry, shared by the kernels here: element offsets, a page's logits, softmax statistics."""
+"""Triton side of PageGeometry, shared by the kernels here: a query group, element offsets, a page's logits,
+softmax statistics."""
 
 import triton
 import triton.language as tl
@@ -12,6 +13,18 @@ def slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_st
     token = slots % block_size
     base = (page // heads_per_block) * block_stride + (page % heads_per_block) * head_stride
     return (base + offset + token * token_stride)[:, None] + dims.to(tl.int64)[None, :] * dim_stride
+
+
+@triton.jit
+def group_query(query_ptr, token, kv_head, group, heads, dims, head_ok, dim_ok, q_stride_t, q_stride_h, q_stride_d,
+                qk_scale):
+    """The query heads of KV head ``kv_head`` of batch token ``token``, [GROUP_PAD, HEAD_PAD] float32 times
+    ``qk_scale`` (0 in padding)."""
+    q_heads = kv_head * group + heads
+    return tl.load(
+        query_ptr + token * q_stride_t + q_heads[:, None] * q_stride_h + dims[None, :] * q_stride_d,
+        mask=head_ok[:, None] & dim_ok[None, :], other=0.0,
+    ).to(tl.float32) * qk_scale
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import page_logits, softmax_stats
+from .addressing import group_query, page_logits, softmax_stats
 from .geometry import PageGeometry, flat
 
 
@@ -35,10 +35,8 @@ def _context_token_scores_kernel(
     dims = tl.arange(0, HEAD_PAD)
     head_ok = heads < group
     dim_ok = dims < head_size
-    q = tl.load(
-        query_ptr + token * q_stride_t + (kv_head * group + heads)[:, None] * q_stride_h + dims[None, :] * q_stride_d,
-        mask=head_ok[:, None] & dim_ok[None, :], other=0.0,
-    ).to(tl.float32) * qk_scale
+    q = group_query(query_ptr, token, kv_head, group, heads, dims, head_ok, dim_ok, q_stride_t, q_stride_h, q_stride_d,
+                    qk_scale)
     tokens = tl.arange(0, PAGE_PAD)
     pages_ptr = page_ids_ptr + row * pages_stride_b + kv_head * pages_stride_h
     best, total = softmax_stats(q, cache_ptr, pages_ptr, length, tokens, dims, dim_ok, block_size, heads_per_block,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import page_logits, slot_offsets
+from .addressing import group_query, page_logits, slot_offsets
 from .geometry import PageGeometry, flat
 
 
@@ -44,10 +44,8 @@ def _paged_attention_kernel(
     head_ok = heads < group
     dim_ok = dims < head_size
     q_heads = kv_head * group + heads
-    q = tl.load(
-        query_ptr + token * q_stride_t + q_heads[:, None] * q_stride_h + dims[None, :] * q_stride_d,
-        mask=head_ok[:, None] & dim_ok[None, :], other=0.0,
-    ).to(tl.float32) * qk_scale
+    q = group_query(query_ptr, token, kv_head, group, heads, dims, head_ok, dim_ok, q_stride_t, q_stride_h, q_stride_d,
+                    qk_scale)
 
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)

@@ -40,9 +40,6 @@ TRITON_MAX_HEAD_SIZE = 256
 
 #: kwarg / CLI dest -> KVPolicyConfig field
 OPTION_FIELDS = {f"kv_{f.name}": f.name for f in fields(KVPolicyConfig)}
-#: per-request overrides, in SamplingParams.extra_args (OpenAI API: ``vllm_xargs``)
-REQUEST_BUDGET_KEY = "kv_budget"
-REQUEST_POLICY_KEY = "kv_policy"
 _PATCHED = "_kvpolicy_patched"
 
 

@@ -30,12 +30,9 @@ def step_of(metadata) -> Step | None:
 
 
 class KVPolicyAttention:
-    """Mixin: per-head and selection paths over ``self.kv_ops``, the platform's impl (``super()``) for the rest."""
-
-    kv_ops: KVOps
+    """Mixin: per-head and selection paths over the impl's ops, the platform's impl (``super()``) for the rest."""
 
     def use_ops(self, ops: KVOps) -> None:
-        self.kv_ops = ops
         WORKER_STATE.ops = type(ops).__name__
         self.per_head = PerHeadPath(ops)
         self.selection = SelectionPath(ops)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages
-from kvpolicy.vllm.args import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
+from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
     AttentionBatch,
