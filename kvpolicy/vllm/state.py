@@ -77,6 +77,7 @@ class WorkerState:
     ops: str | None = None  # the backend's KVOps class, for logs and tests
     _page_space: PageSpace | None = None
     counters: Counter = field(default_factory=Counter)
+    _reported_memory: dict[str, int] = field(default_factory=dict)
 
     def configure(self, config: KVPolicyConfig | None, runner: Any) -> None:
         self.config = config
@@ -160,10 +161,36 @@ class WorkerState:
             if offloaded is not None:
                 self.host.release(offloaded.host_page_ids(), offloaded.host_reserved)
 
-    def take_counters(self) -> dict[str, int]:
-        taken = dict(self.counters)
+    def memory_now(self) -> dict[str, int]:
+        """The memory compression saves right now (``metrics.GAUGES``): requests holding fewer blocks
+        than their tokens in the cache would fill uncompressed, their blocks and bytes."""
+        requests = blocks = full_blocks = 0
+        for req_id, request in (*self.requests.items(), *self.offloaded.items()):
+            state = self.runner.requests.get(req_id)
+            held = request.live_blocks()
+            full = 0 if state is None else -(-state.num_computed_tokens // request.block_size)
+            if held < full:
+                requests += 1
+                blocks += held
+                full_blocks += full
+        block_bytes = self.block_bytes if requests else 0
+        return {
+            "requests_compressed_now": requests,
+            "compressed_kv_blocks": blocks,
+            "compressed_kv_bytes": blocks * block_bytes,
+            "uncompressed_kv_bytes": full_blocks * block_bytes,
+            "saved_kv_bytes": (full_blocks - blocks) * block_bytes,
+        }
+
+    def take_report(self) -> dict[str, int]:
+        """Counter increments since the last report, and the memory snapshot when it changed."""
+        report = {key: value for key, value in self.counters.items() if value}
         self.counters.clear()
-        return taken
+        memory = self.memory_now()
+        if memory != self._reported_memory:
+            report.update(memory)
+            self._reported_memory = memory
+        return report
 
 
 WORKER_STATE = WorkerState()
