@@ -2,63 +2,28 @@
 
 from __future__ import annotations
 
-import os
-import socket
+import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import json
-
 import pytest
-import requests
+
+from benchmarks.server import vllm_server
 
 SERVED_NAME = "smollm2"
 SERVED_POLICY, SERVED_BUDGET = "adasnap", 256
-STARTUP_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def server(model_path: Path, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "vllm-serve.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [
-        str(Path(sys.executable).parent / "vllm"), "serve", str(model_path),
+    args = [
         "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
-        "--host", "127.0.0.1", "--port", str(port),
         "--kv-policy", SERVED_POLICY, "--kv-budget", str(SERVED_BUDGET),
     ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
+    with vllm_server(model_path, args, log_path) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="session")

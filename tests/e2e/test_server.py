@@ -1,24 +1,28 @@
 """The real OpenAI-compatible server with ``--kv-policy adasnap --kv-budget 256``, through the real openai client."""
 
+import time
+
 import openai
 import pytest
 import requests
 
+from benchmarks.server import scrape
 from tests.e2e.conftest import SERVED_BUDGET, SERVED_NAME, SERVED_POLICY
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 120
 LAYERS_X_KV_HEADS = 30 * 3
+GAUGE_NAMES = ("num_requests_compressed", "compressed_kv_blocks", "compressed_kv_bytes", "uncompressed_kv_bytes",
+               "saved_kv_bytes")
 
 
-def kvpolicy_counters(server) -> dict[str, float]:
-    text = requests.get(f"{server}/metrics", timeout=30).text
-    counters = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:kvpolicy_") and f'policy="{SERVED_POLICY}"' in line:
-            name = line.split("{", 1)[0].removeprefix("vllm:kvpolicy_").removesuffix("_total")
-            counters[name] = float(line.rsplit(" ", 1)[1])
-    return counters
+def kvpolicy_metrics(server) -> dict[str, float]:
+    """The served policy's kvpolicy samples, by short name (``released_blocks``, ``saved_kv_bytes``)."""
+    return {
+        name.split("{", 1)[0].removeprefix("vllm:kvpolicy_").removesuffix("_total"): value
+        for name, value in scrape(server).items()
+        if name.startswith("vllm:kvpolicy_") and f'policy="{SERVED_POLICY}"' in name
+    }
 
 
 def test_chat_completion_answers_paris(client):
@@ -37,11 +41,11 @@ def test_streaming_matches_the_whole_reply(client):
 
 
 def test_long_prompt_is_compressed_and_blocks_released(client, server):
-    before = kvpolicy_counters(server)
+    before = kvpolicy_metrics(server)
     reply = client.completions.create(model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=16, temperature=0)
     assert reply.usage.prompt_tokens > 1000
     assert reply.usage.completion_tokens == 16
-    after = kvpolicy_counters(server)
+    after = kvpolicy_metrics(server)
     assert after["compressed_requests"] - before.get("compressed_requests", 0) == 1
     assert after["released_blocks"] > before.get("released_blocks", 0)
     kept = after["kept_kv_tokens"] - before.get("kept_kv_tokens", 0)
@@ -49,12 +53,12 @@ def test_long_prompt_is_compressed_and_blocks_released(client, server):
 
 
 def test_per_request_budget_override(client, server):
-    before = kvpolicy_counters(server)
+    before = kvpolicy_metrics(server)
     client.completions.create(
         model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=4, temperature=0,
         extra_body={"vllm_xargs": {"kv_budget": 64}},
     )
-    kept = kvpolicy_counters(server)["kept_kv_tokens"] - before.get("kept_kv_tokens", 0)
+    kept = kvpolicy_metrics(server)["kept_kv_tokens"] - before.get("kept_kv_tokens", 0)
     assert kept == pytest.approx(64 * LAYERS_X_KV_HEADS, rel=0.02)
 
 
@@ -82,13 +86,33 @@ def test_unknown_or_unservable_request_options_are_rejected(client, extra, messa
 
 @pytest.mark.parametrize("policy, compressed", [("none", 0), ("snapkv", 1)])
 def test_per_request_policy_none_stays_stock_and_family_members_compress(client, server, policy, compressed):
-    before = kvpolicy_counters(server)
+    before = kvpolicy_metrics(server)
     reply = client.completions.create(
         model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=4, temperature=0, extra_body={"vllm_xargs": {"kv_policy": policy}},
     )
     assert reply.usage.completion_tokens == 4
-    after = kvpolicy_counters(server)
+    after = kvpolicy_metrics(server)
     assert after["compressed_requests"] - before.get("compressed_requests", 0) == compressed
+
+
+def test_gauges_show_the_memory_a_running_request_saves_then_return_to_zero(client, server):
+    stream = client.completions.create(
+        model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=64, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    for _ in range(8):
+        next(chunks)
+    during = kvpolicy_metrics(server)
+    assert sum(1 for _ in chunks) > 0
+    block_bytes = during["released_bytes"] / during["released_blocks"]
+    assert during["num_requests_compressed"] == 1
+    assert during["compressed_kv_bytes"] == during["compressed_kv_blocks"] * block_bytes
+    assert during["saved_kv_bytes"] == during["uncompressed_kv_bytes"] - during["compressed_kv_bytes"]
+    assert during["uncompressed_kv_bytes"] >= 2 * during["compressed_kv_bytes"] > 0
+    deadline = time.monotonic() + 30
+    while (after := kvpolicy_metrics(server))["num_requests_compressed"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [after[key] for key in GAUGE_NAMES] == [0] * len(GAUGE_NAMES)
 
 
 def test_metrics_are_served(server):
