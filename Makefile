@@ -16,9 +16,16 @@ $(VENV)/.deps: pyproject.toml setup.py
 	$(BIN)/pip uninstall -y $(BROKEN_BESIDE_CPU_TORCH)
 	touch $@
 
+# kvpolicy's C++ CPU ops, built against the torch installed above (hence no build isolation);
+# rebuilt (about 2 minutes on 2 cores) only when csrc/ changes.
+$(VENV)/.csrc: $(VENV)/.deps $(wildcard csrc/*.cpp csrc/*.h) csrc/setup.py csrc/kvpolicy_csrc/__init__.py
+	@command -v g++ >/dev/null || { echo "building kvpolicy's C++ ops (csrc/) needs a C++ compiler: install g++ (Debian: apt-get install g++), then run make again" >&2; exit 1; }
+	$(BIN)/pip install -q --no-deps --no-build-isolation ./csrc
+	touch $@
+
 # Reinstall kvpolicy itself from this checkout every time (seconds): vLLM loads
 # the plugin from site-packages in every process, so it must be current.
-install: $(VENV)/.deps
+install: $(VENV)/.csrc
 	$(BIN)/pip install -q --no-deps --force-reinstall .
 
 model: install

@@ -16,7 +16,10 @@ class PromptKV:
     prompt queries of this layer, [q_heads, window, head_dim] (post-RoPE, as
     attention sees them), or None for attention-free policies. ``queries``:
     every prompt query, [q_heads, prompt_len, head_dim], for policies that
-    accumulate attention over the whole prompt (H2O, D2O). ``values``:
+    accumulate attention over the whole prompt (H2O, D2O), and, when the
+    backend computed them (the C++ op on CPU), ``column_sums``: their causal
+    attention's column sums, [q_heads, prompt_len] float64, as
+    ``h2o.attention_column_sums`` defines them. ``values``:
     [kv_heads, prompt_len, head_dim], for policies that rewrite kept tokens
     (D2O merges evicted values into them).
 
@@ -34,6 +37,7 @@ class PromptKV:
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
+    column_sums: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -62,6 +66,7 @@ class CompressedKV:
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
+    column_sums: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

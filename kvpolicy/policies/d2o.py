@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpolicy.policies.base import CompressedKV, Policy, PromptKV
-from kvpolicy.policies.h2o import attention_column_sums, group_mean, heavy_hitters
+from kvpolicy.policies.h2o import attention_column_sums, group_mean, heavy_hitters, prompt_column_sums
 
 
 def prompt_attention_variance(keys: torch.Tensor, queries: torch.Tensor) -> float:
@@ -136,7 +136,7 @@ class D2O(Policy):
 
     def observe(self, prompt: PromptKV) -> torch.Tensor:
         """The layer's attention column sums, [q_heads, prompt_len]: its variance and its H2O scores."""
-        return attention_column_sums(prompt.keys, prompt.queries)
+        return prompt_column_sums(prompt)
 
     def layer_budgets(self, observations: list[torch.Tensor], budget: int) -> list[int]:
         return layer_budgets([column_sums_variance(sums) for sums in observations], budget)

@@ -67,9 +67,11 @@ def group_mean(column_sums: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return column_sums.view(kv_heads, -1, column_sums.shape[-1]).mean(dim=1)
 
 
-def accumulated_attention(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """H2O scores per KV head, [kv_heads, length], of the attention of ``queries`` (the last positions)."""
-    return group_mean(attention_column_sums(keys, queries), keys.shape[0])
+def prompt_column_sums(prompt: PromptKV) -> torch.Tensor:
+    """The prompt's attention column sums, [q_heads, n]: the backend's if it computed them, else torch's."""
+    if prompt.column_sums is not None:
+        return prompt.column_sums
+    return attention_column_sums(prompt.keys, prompt.queries)
 
 
 def new_token_attention(keys: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -116,7 +118,7 @@ class H2O(Policy):
     def compress(self, prompt: PromptKV, budget: int, observation=None) -> CompressedKV:
         scores = prompt.scores
         if scores is None:
-            scores = accumulated_attention(prompt.keys, prompt.queries)
+            scores = group_mean(prompt_column_sums(prompt), prompt.num_heads)
         if prompt.num_tokens <= budget:
             return CompressedKV(self.keep_all(prompt), scores=scores)
         kept = heavy_hitters(scores, budget, min(self.recent_tokens, budget))

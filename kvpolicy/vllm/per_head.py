@@ -116,6 +116,9 @@ class PerHeadPath:
         """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs."""
         keys, values = self._read(layer, kv_cache, layer_idx, relocation, relocation.num_tokens)
         policy = relocation.policy
+        column_sums = None
+        if policy.accumulates_attention and queries is not None:
+            column_sums = self.ops.prompt_column_sums(keys, queries)
         return PromptKV(
             keys,
             window_queries=queries if policy.needs_window else None,
@@ -123,6 +126,7 @@ class PerHeadPath:
             num_layers=relocation.pages.num_layers,
             queries=queries if policy.needs_queries else None,
             values=values,
+            column_sums=column_sums,
         )
 
     def _compact(self, layer, kv_cache, layer_idx, relocation, prompt, budget, observation, num_tokens, num_computed):

@@ -1,12 +1,27 @@
-"""Caches in the three layouts the kernels must serve, shuffled page pools, and per-dtype tolerances."""
+"""Caches in the three layouts the kernels must serve, shuffled page pools, per-dtype tolerances, and the
+implementations (Triton, C++) every shared test runs."""
 
 from __future__ import annotations
 
 import torch
 
+import kvpolicy_triton
 from kvpolicy_triton import PageGeometry
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _implementations() -> dict:
+    """The ops that share the kernels' arguments: Triton everywhere, C++ (csrc/) on CPU caches."""
+    if DEVICE == "cuda":
+        return {"triton": kvpolicy_triton}
+    import kvpolicy_csrc
+
+    return {"triton": kvpolicy_triton, "csrc": kvpolicy_csrc}
+
+
+#: Implementation name -> module; tests take the name as a parameter (``-k triton`` or ``-k csrc``).
+IMPLEMENTATIONS = _implementations()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Kernel and reference compute in float32 from the same inputs; half outputs differ by their last-bit rounding.
 TOLERANCE = {

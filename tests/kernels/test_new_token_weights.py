@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvpolicy.policies.h2o import new_token_attention
-from kvpolicy_triton import flat, new_token_weights, new_token_weights_reference
-from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, index, make_cache, shuffled_pages
+from kvpolicy_triton import flat, new_token_weights_reference
+from tests.kernels.paging import DEVICE, DTYPES, IMPLEMENTATIONS, LAYOUTS, index, make_cache, shuffled_pages
 
 # KV length of each (request, KV head): ragged per head, around page boundaries.
 LENGTHS = [[1, 17, 33], [5, 16, 9], [33, 2, 24]]
@@ -19,7 +19,8 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kv_heads", [3, 2], ids=["G2", "G3"])
-def test_new_token_weights_triton(dtype, layout, kv_heads):
+@pytest.mark.parametrize("ops", list(IMPLEMENTATIONS))
+def test_new_token_weights(ops, dtype, layout, kv_heads):
     bs = LAYOUTS[layout]
     pages = max(-(-n // bs) for row in LENGTHS for n in row) + 1
     seqs = [(r, h) for r in range(len(LENGTHS)) for h in range(kv_heads)]
@@ -32,7 +33,7 @@ def test_new_token_weights_triton(dtype, layout, kv_heads):
     seq_lens = index([LENGTHS[r][h] for r, h in seqs])
     args = (query, cache, geom, token_of, head_of, index(table), seq_lens, 1 / math.sqrt(HEAD_SIZE), kv_heads)
 
-    got = new_token_weights(*args)
+    got = IMPLEMENTATIONS[ops].new_token_weights(*args)
     want = new_token_weights_reference(*args)
     assert got.dtype == torch.float32 and got.shape == (len(seqs), pages * bs)
     torch.testing.assert_close(got, want, **TOLERANCE)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvpolicy.policies.omnikv import context_scores
-from kvpolicy_triton import context_token_scores, context_token_scores_reference, flat
-from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, index, make_cache, shuffled_pages
+from kvpolicy_triton import context_token_scores_reference, flat
+from tests.kernels.paging import DEVICE, DTYPES, IMPLEMENTATIONS, LAYOUTS, index, make_cache, shuffled_pages
 
 LENGTHS = [17, 1, 40, 8]
 QUERY_HEADS, HEAD_SIZE = 6, 32
@@ -18,7 +18,8 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kv_heads", [3, 2], ids=["G2", "G3"])
-def test_context_token_scores_triton(dtype, layout, kv_heads):
+@pytest.mark.parametrize("ops", list(IMPLEMENTATIONS))
+def test_context_token_scores(ops, dtype, layout, kv_heads):
     bs = LAYOUTS[layout]
     rows = len(LENGTHS)
     pages = -(-max(LENGTHS) // bs) + 1
@@ -30,7 +31,7 @@ def test_context_token_scores_triton(dtype, layout, kv_heads):
     lengths = index(LENGTHS, torch.int64)
     args = (query, cache, geom, token_idx, index(page_ids), lengths, 1 / math.sqrt(HEAD_SIZE))
 
-    got = context_token_scores(*args)
+    got = IMPLEMENTATIONS[ops].context_token_scores(*args)
     assert got.dtype == torch.float32 and got.shape == (rows, pages * bs)
     torch.testing.assert_close(got, context_token_scores_reference(*args), **TOLERANCE)
 

@@ -3,28 +3,26 @@
 import pytest
 import torch
 
-from kvpolicy_triton import (
-    gather_tokens, gather_tokens_reference, move_tokens, move_tokens_reference, scatter_tokens,
-    scatter_tokens_reference,
-)
-from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, index, make_cache
+from kvpolicy_triton import gather_tokens_reference, move_tokens_reference, scatter_tokens_reference
+from tests.kernels.paging import DEVICE, DTYPES, IMPLEMENTATIONS, LAYOUTS, index, make_cache
 
 KV_HEADS, HEAD_SIZE, BLOCKS = 2, 32, 5
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gather_scatter_tokens_triton_match_reference(dtype, layout):
+@pytest.mark.parametrize("ops", list(IMPLEMENTATIONS))
+def test_gather_scatter_tokens_match_reference(ops, dtype, layout):
     cache, geom = make_cache(layout, BLOCKS, KV_HEADS, HEAD_SIZE, dtype)
     generator = torch.Generator().manual_seed(3)
     slots = index(torch.randperm(BLOCKS * KV_HEADS * geom.block_size, generator=generator)[:21], torch.int64)
-    k, v = gather_tokens(cache, geom, slots)
+    k, v = IMPLEMENTATIONS[ops].gather_tokens(cache, geom, slots)
     want_k, want_v = gather_tokens_reference(cache, geom, slots)
     assert k.dtype == cache.dtype and torch.equal(k, want_k) and torch.equal(v, want_v)
 
     rows = torch.randn(2, len(slots), HEAD_SIZE, generator=generator).to(DEVICE, dtype)
     want = cache.clone()
-    scatter_tokens(cache, geom, slots.int(), rows[0], rows[1])
+    IMPLEMENTATIONS[ops].scatter_tokens(cache, geom, slots.int(), rows[0], rows[1])
     scatter_tokens_reference(want, geom, slots.int(), rows[0], rows[1])
     assert torch.equal(cache, want)
 
@@ -45,7 +43,8 @@ def permutation(geom, pages, generator):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("plan", [compaction, permutation], ids=lambda plan: plan.__name__)
-def test_move_tokens_triton_overlapping(dtype, layout, plan):
+@pytest.mark.parametrize("ops", list(IMPLEMENTATIONS))
+def test_move_tokens_overlapping(ops, dtype, layout, plan):
     cache, geom = make_cache(layout, BLOCKS, KV_HEADS, HEAD_SIZE, dtype)
     generator = torch.Generator().manual_seed(4)
     pages = torch.randperm(BLOCKS * KV_HEADS, generator=generator)[:3].tolist()
@@ -55,7 +54,7 @@ def test_move_tokens_triton_overlapping(dtype, layout, plan):
     before_k, before_v = gather_tokens_reference(cache, geom, src)
 
     want = cache.clone()
-    move_tokens(cache, geom, src, dst)
+    IMPLEMENTATIONS[ops].move_tokens(cache, geom, src, dst)
     move_tokens_reference(want, geom, src, dst)
     assert torch.equal(cache, want)
     after_k, after_v = gather_tokens_reference(cache, geom, dst)

@@ -85,3 +85,23 @@ def test_options_of_one_policy_parse_on_the_command_line(args, field, value):
     add_arguments(parser)
     config = config_from_options(vars(parser.parse_args(args)))
     assert getattr(config, field) == value
+
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+def test_csrc_ops_are_built_from_this_checkout():
+    """``make install`` builds csrc/ into the environment; a source newer than the built module means it is stale."""
+    spec = importlib.util.find_spec("kvpolicy_csrc._C")
+    assert spec is not None, "kvpolicy's C++ ops are not built: run `make install`"
+    built = Path(spec.origin).stat().st_mtime
+    stale = [p.name for p in sorted(CSRC.glob("*.[ch]*")) if p.stat().st_mtime > built]
+    assert not stale, f"csrc/ changed since the installed build ({', '.join(stale)}): run `make install`"
+
+
+def test_missing_csrc_ops_say_how_to_build_them():
+    """Never a silent fallback: without the extension the CPU ops refuse to load, saying what to run."""
+    code = "import sys; sys.modules['kvpolicy_csrc'] = None; import kvpolicy.vllm.ops.cpu"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "make install" in out.stderr and "pip install --no-build-isolation ./csrc" in out.stderr, out.stderr[-2000:]

@@ -52,6 +52,11 @@ class KVOps(ABC):
         keys, values = self.gather(layer, cache, src)
         self.scatter(layer, cache, dst, keys, values)
 
+    def prompt_column_sums(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor | None:
+        """H2O/D2O's prompt scores from host tensors: ``kvpolicy.policies.h2o.attention_column_sums``
+        of ``keys`` [kv_heads, n, D] and ``queries`` [q_heads, t, D]; None: the policy computes them."""
+        return None
+
     @abstractmethod
     def new_token_weights(self, layer, query, cache, batch: AttentionBatch, token_of, head_of) -> torch.Tensor:
         """Per one-head sequence of a decode call, its new token's attention weights over the

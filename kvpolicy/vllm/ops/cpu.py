@@ -1,12 +1,18 @@
-"""``KVOps`` on vLLM's CPU kernels: its attention and cache writer over one-head pages, exact token moves.
+"""``KVOps`` on vLLM's CPU kernels (attention, cache writer) and kvpolicy's C++ ops (``csrc/``).
 
-Inside a page the CPU writer packs tokens for its ISA, so token moves go
-through the ``PageLayout`` discovered from the writer itself (``page_layout``).
+Inside a page the CPU writer packs tokens for its ISA; ``page_layout``
+discovers where from the writer itself. On the ``vec`` ISAs that packing is
+affine (K transposed), and the C++ ops read and move tokens in place through
+its ``PageGeometry``: token moves, new-token weights (H2O/D2O), OmniKV's
+context scores, and the prompt's attention column sums. An ISA that packs
+otherwise (logged once) takes the torch path over the discovered offsets.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
 
 import torch
 
@@ -16,6 +22,18 @@ from kvpolicy.policies.omnikv import context_scores
 from kvpolicy.vllm.internals import envs, ops
 from kvpolicy.vllm.ops.base import KVOps
 from kvpolicy.vllm.step import AttentionBatch
+from kvpolicy_triton.geometry import PageGeometry
+
+try:
+    import kvpolicy_csrc
+except ImportError as error:  # the wheel was installed without its C++ half
+    raise ImportError(
+        f"kvpolicy's C++ CPU ops (csrc/) are not importable ({error}). Build them into this environment: "
+        "`make install` in the kvpolicy checkout, or `pip install --no-build-isolation ./csrc` (needs g++ "
+        "and the torch installed here)"
+    ) from error
+
+logger = logging.getLogger(__name__)
 
 
 def one_head_pages(cache: torch.Tensor) -> torch.Tensor:
@@ -53,6 +71,23 @@ def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -
 def cache_layout(layer, cache: torch.Tensor) -> PageLayout:
     block_size, width = cache.shape[-2:]
     return page_layout(layer.isa, cache.dtype, block_size, width // 2)
+
+
+def cpu_geometry(layout: PageLayout, cache: torch.Tensor) -> PageGeometry | None:
+    """The ``PageGeometry`` of a CPU cache [blocks, h, block_size, 2*head_size] whose pages are packed as
+    ``layout`` says, or None when that packing is not affine (then only the offset tables describe it)."""
+    keys, values = layout.affine_keys, layout.affine_values
+    if keys is None or values is None:
+        return None
+    heads, block_size, width = cache.shape[1:]
+    page_elems = block_size * width
+    return PageGeometry(block_size, width // 2, heads, heads * page_elems, page_elems, *keys, *values)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_torch_path(isa: str) -> None:
+    logger.warning("vLLM's CPU ISA %r packs KV pages non-affinely: kvpolicy's C++ ops cannot address them, "
+                   "token moves and scores take the slower torch path", isa)
 
 
 class CPUOps(KVOps):
@@ -136,16 +171,43 @@ class CPUOps(KVOps):
         self._call(layer, head_query, head_out, one_head_pages(cache), batch)
         out.view(by_kv_head)[token_of, head_of] = head_out
 
+    def _geometry(self, layer, cache) -> PageGeometry | None:
+        geometry = cpu_geometry(cache_layout(layer, cache), cache)
+        if geometry is None:
+            _log_torch_path(layer.isa)
+        return geometry
+
     def gather(self, layer, cache, slots):
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            return kvpolicy_csrc.gather_tokens(cache, geometry, slots)
         return cache_layout(layer, cache).gather(one_head_pages(cache).view(-1), slots)
 
     def scatter(self, layer, cache, slots, keys, values):
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            kvpolicy_csrc.scatter_tokens(cache, geometry, slots, keys, values)
+            return
         cache_layout(layer, cache).scatter(one_head_pages(cache).view(-1), slots, keys, values)
 
+    def move(self, layer, cache, src, dst):
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            kvpolicy_csrc.move_tokens(cache, geometry, src, dst)
+            return
+        super().move(layer, cache, src, dst)
+
+    def prompt_column_sums(self, keys, queries):
+        return kvpolicy_csrc.attention_column_sums(keys, queries, 1 / math.sqrt(keys.shape[-1]))
+
     def new_token_weights(self, layer, query, cache, batch, token_of, head_of):
-        """The fused kernel returns no weights: read the keys back (a strided view of one copy of
-        each page's K part) and recompute them in one batched product."""
+        """The fused kernel returns no weights: recompute them from the keys, read in place by the C++
+        op (else from a strided view of one copy of each page's K part, in one batched product)."""
         impl = self.impl
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            args = (token_of, head_of, batch.block_table, batch.seq_lens, impl.scale, impl.num_kv_heads)
+            return kvpolicy_csrc.new_token_weights(query, cache, geometry, *args).double()
         lengths = batch.seq_lens.long()
         table = batch.block_table.long()[:, : -(-int(lengths.max()) // cache.shape[2])]
         keys = cache_layout(layer, cache).page_keys(one_head_pages(cache), table)
@@ -154,6 +216,9 @@ class CPUOps(KVOps):
 
     def context_scores(self, layer, query, cache, page_ids, token_idx, lengths):
         impl = self.impl
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            return kvpolicy_csrc.context_token_scores(query, cache, geometry, token_idx, page_ids, lengths, impl.scale).double()
         keys = cache_layout(layer, cache).page_key_blocks(one_head_pages(cache), page_ids)
         queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
         return context_scores(queries, keys, lengths)

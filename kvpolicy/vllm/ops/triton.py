@@ -76,15 +76,12 @@ def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
     cache writer's packing inside each contiguous page, which must be affine (the vec ISAs)."""
     if cache.is_cuda:
         return PageGeometry.head_major(cache)
-    from kvpolicy.vllm.ops.cpu import cache_layout
+    from kvpolicy.vllm.ops.cpu import cache_layout, cpu_geometry
 
-    layout = cache_layout(layer, cache)
-    keys, values = layout.affine_keys, layout.affine_values
-    if keys is None or values is None:
+    geometry = cpu_geometry(cache_layout(layer, cache), cache)
+    if geometry is None:
         raise RuntimeError(f"the Triton ops need an affine in-page layout; vLLM's CPU ISA {layer.isa!r} packs otherwise")
-    heads, block_size, width = cache.shape[1:]
-    page_elems = block_size * width
-    return PageGeometry(block_size, width // 2, heads, heads * page_elems, page_elems, *keys, *values)
+    return geometry
 
 
 def _on(device: torch.device, *tensors):

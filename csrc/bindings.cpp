@@ -1,0 +1,29 @@
+// The Python module kvpolicy_csrc._C; kvpolicy_csrc/__init__.py documents each op.
+#include <torch/extension.h>
+
+#include "paging.h"
+
+namespace kvpolicy {
+at::Tensor attention_column_sums(const at::Tensor& keys, const at::Tensor& queries, double scale);
+at::Tensor new_token_weights(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
+                             const at::Tensor& token_of, const at::Tensor& head_of, const at::Tensor& page_table,
+                             const at::Tensor& seq_lens, double scale, int64_t num_kv_heads);
+at::Tensor context_token_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
+                                const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
+                                double scale);
+std::vector<at::Tensor> gather_tokens(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
+                                      const at::Tensor& slots);
+void scatter_tokens(at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim, const at::Tensor& slots,
+                    const at::Tensor& keys, const at::Tensor& values);
+void move_tokens(at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim, const at::Tensor& src,
+                 const at::Tensor& dst);
+}  // namespace kvpolicy
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention_column_sums", &kvpolicy::attention_column_sums);
+  m.def("new_token_weights", &kvpolicy::new_token_weights);
+  m.def("context_token_scores", &kvpolicy::context_token_scores);
+  m.def("gather_tokens", &kvpolicy::gather_tokens);
+  m.def("scatter_tokens", &kvpolicy::scatter_tokens);
+  m.def("move_tokens", &kvpolicy::move_tokens);
+}

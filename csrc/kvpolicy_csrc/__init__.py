@@ -1,0 +1,47 @@
+"""kvpolicy's C++ CPU ops (``csrc/``). Each takes the arguments of its ``kvpolicy_triton`` twin
+(a cache addressed through a ``PageGeometry``), so both are tested against the same plain-torch
+references; parallel over torch's threads (``at::parallel_for``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpolicy_csrc import _C
+
+
+def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, scale: float) -> torch.Tensor:
+    """Column sums of each query head's causal softmax attention over ``keys``, [q_heads, length] float64.
+
+    ``keys`` [kv_heads, length, dim]; ``queries`` [q_heads, count, dim], the last ``count``
+    positions. Reference: ``kvpolicy.policies.h2o.attention_column_sums``.
+    """
+    return _C.attention_column_sums(keys, queries, scale)
+
+
+def new_token_weights(query, cache, geom, token_of, head_of, page_table, seq_lens, scale, num_kv_heads) -> torch.Tensor:
+    """Per sequence, its new token's softmax weights over its pages, its query heads averaged,
+    [sequences, pages * block_size] float32. Reference: ``kvpolicy_triton.new_token_weights_reference``."""
+    return _C.new_token_weights(query, cache, list(geom.key_addressing()), token_of, head_of, page_table, seq_lens, scale, num_kv_heads)
+
+
+def context_token_scores(query, cache, geom, token_idx, page_ids, lengths, scale) -> torch.Tensor:
+    """OmniKV's token scores: per row, the max over query heads of its query's softmax weights over
+    its pages, [rows, pages * block_size] float32. Reference: ``kvpolicy_triton.context_token_scores_reference``."""
+    return _C.context_token_scores(query, cache, list(geom.key_addressing()), token_idx, page_ids, lengths, scale)
+
+
+def gather_tokens(cache, geom, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows [n, head_size] of the tokens at ``slots``. Reference: ``kvpolicy_triton.gather_tokens_reference``."""
+    keys, values = _C.gather_tokens(cache, list(geom.addressing()), geom.head_size, slots)
+    return keys, values
+
+
+def scatter_tokens(cache, geom, slots, keys, values) -> None:
+    """Write K and V rows at ``slots``, in place. Reference: ``kvpolicy_triton.scatter_tokens_reference``."""
+    _C.scatter_tokens(cache, list(geom.addressing()), geom.head_size, slots, keys, values)
+
+
+def move_tokens(cache, geom, src, dst) -> None:
+    """Every token at ``src[i]`` to ``dst[i]``, all read before any write (overlap-safe).
+    Reference: ``kvpolicy_triton.move_tokens_reference``."""
+    _C.move_tokens(cache, list(geom.addressing()), geom.head_size, src, dst)

@@ -1,0 +1,46 @@
+// OmniKV's filter layer: each context token's score, the max over all query heads of the
+// row's last query's softmax weights, read from the row's pages in place.
+//
+// One task per (row, KV head) computes the max over that KV head's G query heads; the
+// row's score is then the max over its KV heads. Page top-k stays in torch
+// (kvpolicy.policies.omnikv.select_pages): it works on rows x pages, not on keys.
+#include "paging.h"
+
+#include <ATen/Parallel.h>
+
+namespace kvpolicy {
+
+at::Tensor context_token_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
+                                const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
+                                double scale) {
+  check_cache(cache);
+  const Addressing a(addressing);
+  const auto tokens = index_of(token_idx, "token_idx"), ids = index_of(page_ids, "page_ids");
+  const auto counts = index_of(lengths, "lengths");
+  TORCH_CHECK(ids.dim() == 3, "page_ids [rows, kv_heads, pages] expected");
+  const int64_t rows = ids.size(0), kv_heads = ids.size(1), pages = ids.size(2), dim = query.size(2);
+  const int64_t group = query.size(1) / kv_heads, width = pages * a.block_size;
+  TORCH_CHECK(counts.numel() == rows && tokens.numel() == rows, "one query token and one length per row expected");
+  TORCH_CHECK(rows == 0 || counts.max().item<int64_t>() <= width, "a row is longer than its pages");
+  auto per_head = at::zeros({rows, kv_heads, width}, at::kFloat);
+  const auto q_float = query.to(at::kFloat);
+  KVPOLICY_DISPATCH(cache.scalar_type(), "context_token_scores", [&] {
+    const auto* kv = cache.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(group * dim), logits;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / kv_heads, h = task % kv_heads, n = counts.data_ptr<int64_t>()[b];
+        scaled_query(q_float, tokens.data_ptr<int64_t>()[b], h * group, group, scale, q.data());
+        logits.resize(group * n);
+        sequence_logits(kv, a, ids.data_ptr<int64_t>() + task * pages, n, q.data(), group, dim, logits.data());
+        softmax_rows(logits.data(), group, n);
+        float* best = per_head.data_ptr<float>() + task * width;
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < n; ++i) best[i] = std::max(best[i], logits[g * n + i]);
+      }
+    });
+  });
+  return std::get<0>(per_head.max(1));
+}
+
+}  // namespace kvpolicy

@@ -1,0 +1,112 @@
+// Shared by the ops: where a token lies in a paged cache, index reading, and the
+// logits of a group of query heads over one sequence of one-head pages.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace kvpolicy {
+
+// kvpolicy_triton's PageGeometry.addressing(), in its order (7 ints: keys only; 10: keys and values).
+// Element (page p, token t, dim d) of K lies at
+//   (p / heads_per_block) * block_stride + (p % heads_per_block) * head_stride + k_offset
+//     + t * k_token_stride + d * k_dim_stride
+// in the cache's flat storage, counted from its first element (data_ptr).
+struct Addressing {
+  int64_t block_size, heads_per_block, block_stride, head_stride;
+  int64_t k_offset, k_token_stride, k_dim_stride;
+  int64_t v_offset = 0, v_token_stride = 0, v_dim_stride = 0;
+
+  explicit Addressing(const std::vector<int64_t>& a) {
+    TORCH_CHECK(a.size() == 7 || a.size() == 10, "page addressing takes 7 or 10 ints (PageGeometry.addressing()), got ", a.size());
+    block_size = a[0], heads_per_block = a[1], block_stride = a[2], head_stride = a[3];
+    k_offset = a[4], k_token_stride = a[5], k_dim_stride = a[6];
+    if (a.size() == 10) v_offset = a[7], v_token_stride = a[8], v_dim_stride = a[9];
+  }
+
+  int64_t page_base(int64_t page) const {
+    return (page / heads_per_block) * block_stride + (page % heads_per_block) * head_stride;
+  }
+  int64_t key(int64_t slot) const {
+    return page_base(slot / block_size) + k_offset + (slot % block_size) * k_token_stride;
+  }
+  int64_t value(int64_t slot) const {
+    return page_base(slot / block_size) + v_offset + (slot % block_size) * v_token_stride;
+  }
+};
+
+// An index tensor (int32 or int64, CPU) as contiguous int64.
+inline at::Tensor index_of(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " must be int32 or int64");
+  return t.to(at::kLong).contiguous();
+}
+
+inline void check_cache(const at::Tensor& cache) {
+  TORCH_CHECK(cache.device().is_cpu(), "kvpolicy's C++ ops take CPU caches; on a GPU the Triton ops serve");
+}
+
+// logits[g * n + i] = scale * q[g] . K(token i), for the first n tokens of a sequence whose
+// pages are pages[0..]; q is [group, dim] float. Tokens innermost, so a page whose tokens are
+// adjacent for each dim (vLLM's CPU vec pages store K transposed) is read with unit stride.
+template <typename scalar_t>
+void sequence_logits(const scalar_t* cache, const Addressing& a, const int64_t* pages, int64_t n,
+                     const float* q, int64_t group, int64_t dim, float* logits) {
+  std::fill(logits, logits + group * n, 0.0f);
+  const int64_t bs = a.block_size;
+  for (int64_t start = 0; start < n; start += bs) {
+    const int64_t count = std::min(bs, n - start);
+    const scalar_t* page = cache + a.page_base(pages[start / bs]) + a.k_offset;
+    for (int64_t d = 0; d < dim; ++d) {
+      const scalar_t* column = page + d * a.k_dim_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float qd = q[g * dim + d];
+        float* out = logits + g * n + start;
+        if (a.k_token_stride == 1) {
+#pragma omp simd
+          for (int64_t t = 0; t < count; ++t) out[t] += qd * static_cast<float>(column[t]);
+        } else {
+          for (int64_t t = 0; t < count; ++t) out[t] += qd * static_cast<float>(column[t * a.k_token_stride]);
+        }
+      }
+    }
+  }
+}
+
+// In place: each of `rows` rows of n logits becomes its softmax (float32, max subtracted).
+inline void softmax_rows(float* x, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * n;
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, row[i]);
+    float total = 0.0f;  // a plain loop: with -ffast-math GCC vectorizes it and calls libmvec's expf
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = std::exp(row[i] - top);
+      row[i] = e;
+      total += e;
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) row[i] *= inv;
+  }
+}
+
+// Heads [first, first + group) of a query token, times scale, [group, dim]; query: float32 [T, heads, dim].
+inline void scaled_query(const at::Tensor& query, int64_t token, int64_t first, int64_t group, double scale, float* out) {
+  const int64_t dim = query.size(2);
+  const auto* base = query.data_ptr<float>();
+  const auto st = query.stride(0), sh = query.stride(1), sd = query.stride(2);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d)
+      out[g * dim + d] = base[token * st + (first + g) * sh + d * sd] * static_cast<float>(scale);
+}
+
+}  // namespace kvpolicy
+
+// The cache's element type as scalar_t: float32, bfloat16 or float16.
+#define KVPOLICY_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, TYPE, NAME, __VA_ARGS__)
+
