@@ -1,4 +1,4 @@
-"""DESIGN §2: policies/ and paging/ import no vLLM; only kvpolicy.vllm does; the Triton kernels stand alone."""
+"""DESIGN §2: policies/ and paging/ import no vLLM; only kvpolicy.vllm does; the Triton kernels and C++ ops stand alone."""
 
 import subprocess
 import sys
@@ -15,6 +15,7 @@ def test_pure_layers_do_not_import_vllm():
     assert not any(m == "vllm" or m.startswith("vllm.") for m in loaded)
 
 
-def test_triton_kernels_import_neither_vllm_nor_kvpolicy():
-    loaded = _modules_after("kvpolicy_triton")
-    assert not any(m.split(".")[0] in ("vllm", "kvpolicy") for m in loaded)
+def test_kernels_import_neither_vllm_nor_kvpolicy():
+    for package in ("kvpolicy_triton", "kvpolicy_csrc"):
+        loaded = _modules_after(package)
+        assert not any(m.split(".")[0] in ("vllm", "kvpolicy") for m in loaded), package
