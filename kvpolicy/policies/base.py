@@ -66,7 +66,6 @@ class CompressedKV:
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
-    column_sums: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
