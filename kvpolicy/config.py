@@ -39,6 +39,8 @@ class KVPolicyConfig:
     sink_tokens: int = 4
     recent_tokens: int = 64
     merge: bool = True
+    alpha: float = 0.5
+    mix: float = 0.5
     filter_layers: tuple[int, ...] = OMNIKV_FILTER_LAYERS
     dense_layers: int = OMNIKV_DENSE_LAYERS
     offload: float | None = None
@@ -78,8 +80,16 @@ class KVPolicyConfig:
                 raise KVPolicyConfigError(f"--kv-offload applies to --kv-policy omnikv, not {self.policy}")
             if self.offload <= 0:
                 raise KVPolicyConfigError(f"--kv-offload is the host pool's size in GiB, > 0; got {self.offload}")
-        if not self.merge and "merge" not in {f.name for f in fields(policy)}:
-            raise KVPolicyConfigError(f"--kv-merge false applies to d2o, not to --kv-policy {self.policy}")
+        for name in ("alpha", "mix"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise KVPolicyConfigError(f"--kv-{name} must be in [0, 1], got {getattr(self, name)}")
+        defaults = KVPolicyConfig.__dataclass_fields__
+        for name in ("merge", "alpha", "mix"):
+            if getattr(self, name) != defaults[name].default and name not in {f.name for f in fields(policy)}:
+                takers = sorted(p for p, cls in POLICIES.items() if name in {f.name for f in fields(cls)})
+                raise KVPolicyConfigError(
+                    f"--kv-{name} applies to {', '.join(takers)}, not to --kv-policy {self.policy}"
+                )
         if policy.needs_budget and self.budget is None and self.ratio is None:
             raise KVPolicyConfigError(f"--kv-policy {self.policy} needs --kv-budget or --kv-ratio")
         if policy.needs_window and self.budget is not None and self.budget <= self.window:

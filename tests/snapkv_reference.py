@@ -3,7 +3,9 @@
 No code shared with ``kvpolicy.policies``: per query head and window query a
 causal softmax; summed over the window; max-pooled with kernel k; averaged
 over a GQA group; then top-k per head (SnapKV), layer-wide top-k with the
-alpha safeguard (Ada-KV), or pyramidal layer capacities (PyramidKV).
+alpha safeguard (Ada-KV), or pyramidal layer capacities (PyramidKV). Ada-Mix:
+KeyDiff's ``-cos(key, mean unit key)`` and the window score, each ranked over
+the whole layer, blended.
 """
 
 import math
@@ -60,3 +62,33 @@ def reference_pyramid(capacity, prefix, layer, layers, beta=20):
     if high >= prefix:
         high, low = prefix, 2 * capacity - prefix
     return round(high - layer * (high - low) / (layers - 1))
+
+
+def reference_keydiff_scores(keys):
+    """``-cos(key, mean unit key)`` per head and position."""
+    H, length, D = keys.shape
+    scores = torch.zeros(H, length, dtype=torch.float64)
+    for h in range(H):
+        rows = [[float(x) for x in keys[h, j]] for j in range(length)]
+        units = [[x / math.sqrt(sum(y * y for y in row)) for x in row] for row in rows]
+        anchor = [sum(u[d] for u in units) / length for d in range(D)]
+        norm = math.sqrt(sum(a * a for a in anchor))
+        for j, u in enumerate(units):
+            scores[h, j] = -sum(x * a for x, a in zip(u, anchor)) / norm
+    return scores
+
+
+def reference_layer_ranks(scores):
+    """Each score's place among the layer's, 1 the best, 0 the worst; ties: lower head, then earlier position, higher."""
+    H, n = scores.shape
+    order = sorted((-float(scores[h, j]), h, j) for h in range(H) for j in range(n))
+    ranks = torch.zeros(H, n, dtype=torch.float64)
+    for place, (_, h, j) in enumerate(order):
+        ranks[h, j] = (H * n - 1 - place) / (H * n - 1)
+    return ranks
+
+
+def reference_mix_scores(keys, queries, window, kernel, mix):
+    window_part = reference_scores(keys, queries, window, kernel)
+    keydiff_part = reference_keydiff_scores(keys)[:, : window_part.shape[1]]
+    return (1 - mix) * reference_layer_ranks(window_part) + mix * reference_layer_ranks(keydiff_part)

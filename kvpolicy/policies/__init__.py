@@ -2,6 +2,7 @@
 
 from dataclasses import fields
 
+from kvpolicy.policies.adamix import AdaMix
 from kvpolicy.policies.base import CompressedKV, Policy, PromptKV
 from kvpolicy.policies.d2o import D2O
 from kvpolicy.policies.h2o import H2O
@@ -13,7 +14,7 @@ from kvpolicy.policies.streaming import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, StreamingLLM, KeyDiff, H2O, D2O, OmniKV)
+    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, AdaMix, StreamingLLM, KeyDiff, H2O, D2O, OmniKV)
 }
 
 

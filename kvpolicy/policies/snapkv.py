@@ -94,13 +94,17 @@ class SnapKV(Policy):
     window: int = 32
     pool_kernel: int = 7
 
+    def scores(self, prompt: PromptKV) -> torch.Tensor:
+        """The prefix tokens' scores, [kv_heads, prompt_len - window]; higher is kept first."""
+        return window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
+
     def capacities(self, prompt: PromptKV, budget: int, scores: torch.Tensor) -> list[int]:
         return [budget - self.window] * prompt.num_heads
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         if prompt.num_tokens <= budget or budget <= self.window:
             return self.keep_all(prompt)
-        scores = window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
+        scores = self.scores(prompt)
         counts = self.capacities(prompt, budget, scores)
         return _keep_top(scores, counts, prompt.num_tokens, self.window)
 

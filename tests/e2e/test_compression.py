@@ -34,7 +34,7 @@ def test_requests_below_the_budget_stay_bitwise_identical(engine_run):
             assert ours[i] == stock[i], f"request {i} ({n} tokens) was not compressed and must be exact"
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o"])
+@pytest.mark.parametrize("policy", ["snapkv", "pyramid", "adapyramid", "adamix", "streaming", "keydiff", "h2o", "d2o"])
 def test_every_compressing_policy_runs_in_the_engine(engine_run, policy):
     run = engine_run("--policy", policy, "--budget", str(BUDGET))
     counters = run["counters"]

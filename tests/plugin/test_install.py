@@ -48,7 +48,7 @@ def test_serve_help_lists_the_kv_options():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--kv-policy", "bogus"], "unknown --kv-policy 'bogus'; choose one of: adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pyramid, snapkv, streaming"),
+        (["--kv-policy", "bogus"], "unknown --kv-policy 'bogus'; choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pyramid, snapkv, streaming"),
         (["--kv-policy", "identity", "--kv-budget", "0"], "--kv-budget must be a positive"),
         (["--kv-budget", "64"], "--kv-budget need --kv-policy"),
         (["--kv-policy", "identity", "--kv-budget", "9000", "--max-model-len", "2048"],

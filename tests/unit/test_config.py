@@ -7,7 +7,7 @@ from kvpolicy.policies import POLICIES, IdentityPolicy, PromptKV
 
 
 def test_unknown_policy_lists_the_valid_ones():
-    with pytest.raises(KVPolicyConfigError, match="choose one of: adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pyramid, snapkv, streaming"):
+    with pytest.raises(KVPolicyConfigError, match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pyramid, snapkv, streaming"):
         KVPolicyConfig(policy="bogus")
 
 
@@ -98,8 +98,17 @@ def test_keydiff_request_budget_cannot_outgrow_the_startup_budget():
 
 def test_merge_switch_is_d2o_only():
     assert KVPolicyConfig(policy="d2o", budget=128, merge=False).make_policy().merge is False
-    with pytest.raises(KVPolicyConfigError, match="--kv-merge false applies to d2o"):
+    with pytest.raises(KVPolicyConfigError, match="--kv-merge applies to d2o, not to --kv-policy h2o"):
         KVPolicyConfig(policy="h2o", budget=128, merge=False)
+
+
+def test_ada_options_reach_the_policies_that_take_them():
+    assert KVPolicyConfig(policy="adamix", budget=128, mix=1.0, alpha=1.0).make_policy().mix == 1.0
+    assert KVPolicyConfig(policy="adasnap", budget=128, alpha=0.2).make_policy().alpha == 0.2
+    with pytest.raises(KVPolicyConfigError, match="--kv-alpha applies to adamix, adapyramid, adasnap, not to --kv-policy snapkv"):
+        KVPolicyConfig(policy="snapkv", budget=128, alpha=0.2)
+    with pytest.raises(KVPolicyConfigError, match="--kv-mix must be in"):
+        KVPolicyConfig(policy="adamix", budget=128, mix=1.5)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +116,7 @@ def test_merge_switch_is_d2o_only():
     [
         ({"kv_budgt": 128}, r"unknown request option 'kv_budgt'; kvpolicy takes kv_budget, kv_policy per request"),
         ({"kv_budget": 128, "kv_ratio": 0.5}, "unknown request option 'kv_ratio'"),
-        ({"kv_policy": "keydiff"}, r"kv_policy 'keydiff' cannot be served .*--kv-policy adasnap.*none, adapyramid, adasnap, pyramid, snapkv"),
+        ({"kv_policy": "keydiff"}, r"kv_policy 'keydiff' cannot be served .*--kv-policy adasnap.*none, adamix, adapyramid, adasnap, pyramid, snapkv"),
         ({"kv_policy": 3}, "kv_policy 3 cannot be served"),
         ({"kv_policy": "none", "kv_budget": 64}, "kv_budget does not apply to a request with kv_policy 'none'"),
         ({"kv_policy": "snapkv", "kv_budget": 16}, "larger than the observation window"),

@@ -1,11 +1,17 @@
-"""SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid and StreamingLLM against plain references on random tensors."""
+"""SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid, Ada-Mix and StreamingLLM against plain references on random tensors."""
 
 import pytest
 import torch
 
 from kvpolicy.policies import PromptKV, make_policy
 from kvpolicy.policies.snapkv import pyramid_capacity
-from tests.snapkv_reference import reference_ada_counts, reference_keep, reference_pyramid, reference_scores
+from tests.snapkv_reference import (
+    reference_ada_counts,
+    reference_keep,
+    reference_mix_scores,
+    reference_pyramid,
+    reference_scores,
+)
 
 H, G, D = 3, 3, 16
 
@@ -51,6 +57,20 @@ def test_pyramid_budgets_fall_with_depth(prompt):
     assert as_lists(got_ada) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
+@pytest.mark.parametrize("mix, alpha", [(0.5, 0.5), (1.0, 0.5), (1.0, 1.0)])
+def test_adamix_allocates_over_blended_window_and_keydiff_ranks(prompt, mix, alpha):
+    scores = reference_mix_scores(prompt.keys, prompt.window_queries, WINDOW, KERNEL, mix)
+    counts = reference_ada_counts(scores, BUDGET - WINDOW, alpha)
+    got = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=mix, alpha=alpha).keep(prompt, BUDGET)
+    assert as_lists(got) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
+
+
+def test_adamix_without_keydiff_is_adasnap(prompt):
+    adamix = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=0.0).keep(prompt, BUDGET)
+    adasnap = make_policy("adasnap", window=WINDOW, pool_kernel=KERNEL).keep(prompt, BUDGET)
+    assert as_lists(adamix) == as_lists(adasnap)
+
+
 @pytest.mark.parametrize("capacity, prefix", [(200, 3000), (96, 1068), (96, 97)])
 def test_pyramid_mean_over_layers_is_the_budget(capacity, prefix):
     capacities = [pyramid_capacity(capacity, prefix, layer, 30) for layer in range(30)]
@@ -65,7 +85,7 @@ def test_streaming_keeps_sinks_and_recent_tokens():
     assert as_lists(keep) == [list(range(4)) + list(range(84, 100))] * H
 
 
-@pytest.mark.parametrize("name", ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming"])
+@pytest.mark.parametrize("name", ["snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "streaming"])
 def test_short_prompts_are_kept_whole(name):
     prompt = PromptKV(torch.randn(H, 30, D), torch.randn(H * G, 8, D))
     keep = make_policy(name, window=WINDOW, pool_kernel=KERNEL).keep(prompt, 40)

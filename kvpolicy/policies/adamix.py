@@ -1,0 +1,54 @@
+"""Ada-Mix: Ada-KV's head-adaptive allocation over a blend of observation-window and KeyDiff scores.
+
+None of the five papers has it; the quality harness chose it (docs/policies.md
+has every variant tried and the seeds they were picked and reported on).
+On the default model the attention-free KeyDiff scores keep needles that the
+observation window misses, while the window keeps the next-token
+distribution; each score ranks a layer's prefix tokens, and the two rankings
+are blended:
+
+- Both scores are turned into ranks over the whole layer (every head's prefix
+  tokens together, 0 = lowest, normalised to [0, 1]), so neither scale
+  dominates and a head whose tokens rank high in the layer still wins more of
+  the layer's budget, as Ada-KV needs.
+- ``score = (1 - mix) * rank(window) + mix * rank(keydiff)``; ``mix = 0`` is
+  Ada-SnapKV exactly, ``mix = 1`` is Ada-KV's allocation over KeyDiff scores.
+- Allocation, window and ``budget`` as in Ada-SnapKV (``alpha`` safeguard;
+  ``alpha = 1`` gives every head the same count).
+- KeyDiff's anchor is the mean normalised key over the whole prompt, read at
+  prompt end (the engine compresses this family once per prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpolicy.policies.base import PromptKV
+from kvpolicy.policies.keydiff import keydiff_scores
+from kvpolicy.policies.snapkv import AdaSnapKV, window_scores
+
+
+def layer_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Each score's rank among all of the layer's scores, in [0, 1], 1 the best (ties: lower head, then earlier position, higher)."""
+    flat = scores.reshape(-1)
+    order = flat.argsort(descending=True, stable=True)
+    ranks = torch.empty(flat.numel(), dtype=torch.float64)
+    ranks[order] = torch.arange(flat.numel() - 1, -1, -1, dtype=torch.float64) / max(flat.numel() - 1, 1)
+    return ranks.view_as(scores)
+
+
+@dataclass(frozen=True)
+class AdaMix(AdaSnapKV):
+    """Ada-SnapKV whose token scores blend window and KeyDiff ranks, ``mix`` the KeyDiff share."""
+
+    name = "adamix"
+    mix: float = 0.5
+
+    def scores(self, prompt: PromptKV) -> torch.Tensor:
+        window = window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
+        if self.mix == 0:
+            return window
+        prefix = keydiff_scores(prompt.keys)[:, : window.shape[1]]
+        return (1 - self.mix) * layer_ranks(window) + self.mix * layer_ranks(prefix)
