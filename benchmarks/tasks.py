@@ -4,12 +4,21 @@ Each task builds a prompt of exactly ``length`` tokens in the plain-completion
 form the default model answers (DESIGN.md §3: ``...\\nAnswer: The X is``), with
 the fact asked for at ``depth`` (0 = first, 1 = last) of the context:
 
-- ``passkey``: a five-digit key in repeated filler sentences (Mohtashami & Jaggi).
+- ``passkey``: a five-digit key in repeated filler sentences, stated twice, under Mohtashami &
+  Jaggi's header, asked for their way (`` What is the pass key? The pass key is``).
 - ``niah``: a seven-digit "special magic number" for a word, in essay prose (RULER's single needle).
-- ``multikey``: the same with three more needles for other words (distractors) at random depths.
+- ``multikey``: the same with one more needle for another word (a distractor) at a random depth:
+  two-key retrieval.
 - ``kv``: a dictionary of word-pair keys and five-digit values filling the context; one value asked for.
 - ``twostage``: OmniKV's 2StageRetr (paper §A): a dictionary of numbers to colors and an addition
   whose sum is the key to look up; the model must add, then find that key's color.
+
+What mattered for the default model (docs/benchmarks.md has the measurements):
+the passkey header and question. "There is a pass key hidden ... remember it"
+made the model echo the header (full cache 0.6 at 1K, 0.2 at 2K); the classic
+"important info ... I will quiz you" header with the question appended to the
+filler answers every prompt at 1K and 2K. Three distractor needles were more
+than the model tells apart at 2K; one is the two-key task the literature reports.
 
 A hit is the answer in the first ``ANSWER_TOKENS`` generated tokens; for ``twostage``, the first
 color the model names must be the right one (so naming every color does not score).
@@ -36,7 +45,7 @@ COLORS = (
     "red", "blue", "green", "yellow", "black", "white", "brown", "purple", "orange", "pink",
     "gray", "teal", "maroon", "violet", "lime", "olive", "navy", "gold", "silver", "beige",
 )
-DISTRACTORS = 3
+DISTRACTORS = 1
 
 
 @dataclass(frozen=True)
@@ -112,10 +121,11 @@ class TaskBuilder:
 
     def passkey(self, length: int, depth: float, rng: random.Random) -> TaskItem:
         key = str(rng.randrange(10000, 100000))
-        head = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
+        head = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                "I will quiz you about the important information there.\n\n")
         needle = f" The pass key is {key}. Remember it. {key} is the pass key."
         return self.fit("passkey", length, depth, head, [(depth, needle)],
-                        "\n\nWhat is the pass key?\nAnswer: The pass key is", key, "filler", rng)
+                        " What is the pass key? The pass key is", key, "filler", rng)
 
     def _magic_numbers(self, task: str, length: int, depth: float, rng: random.Random, distractors: int) -> TaskItem:
         words = rng.sample(WORDS, 1 + distractors)

@@ -3,7 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.quality import reliable_cells, request_budget, summary_rows
+from benchmarks.common import policy_options
+from benchmarks.quality import policy_grid, reliable_cells, request_budget, summary_rows
 from benchmarks.tasks import COLORS, TASKS, TaskBuilder, TaskItem, is_hit
 
 
@@ -33,10 +34,10 @@ def test_the_answer_sits_at_its_depth(builder, task):
     assert places[0] < 0.1 and 0.4 < places[1] < 0.6 and places[2] > 0.85
 
 
-def test_multikey_asks_for_one_of_four_distinct_needles(builder):
+def test_multikey_asks_for_one_of_two_distinct_needles(builder):
     item = builder.build("multikey", 2000, 0.3, seed=0)
     text = builder.tokenizer.decode(item.ids)
-    assert text.count("The special magic number for") == 4 + 1  # four needles and the answer's stem
+    assert text.count("The special magic number for") == 2 + 1  # two needles and the answer's stem
     assert text.count(item.answer) == 1
 
 
@@ -56,10 +57,17 @@ def test_twostage_counts_only_the_first_color_named():
     assert set(COLORS) >= {"teal", "red"}
 
 
-def test_request_budget_reads_tokens_and_ratios():
+def test_request_budget_reads_tokens_and_compression_ratios():
     assert request_budget("256", 4000) == 256
-    assert request_budget("0.1", 4000) == 400
-    assert request_budget("0.25", 1000) == 250
+    assert request_budget("0.9", 4000) == 400
+    assert request_budget("0.75", 1000) == 250
+
+
+def test_policy_specs_carry_typed_options_and_their_own_budget():
+    assert policy_grid(["adamix:mix=1,alpha=0.5@0.7", "keydiff"], ["0.5", "0.75"]) == [
+        ("adamix:mix=1,alpha=0.5", ["0.7"]), ("keydiff", ["0.5", "0.75"])]
+    assert policy_options("adamix:mix=1,alpha=0.5") == {"kv_policy": "adamix", "kv_mix": 1, "kv_alpha": 0.5}
+    assert policy_options("d2o:merge=false") == {"kv_policy": "d2o", "kv_merge": False}
 
 
 def test_summary_averages_only_where_the_full_cache_is_reliable():
