@@ -44,13 +44,25 @@ def passkey_prompts(tokenizer, depths: list[float], length: int, question: str =
     return items
 
 
+def _option_value(text: str):
+    """A spec's option value as the config field wants it: a boolean, an int, a float, or the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
 def policy_options(spec: str) -> dict:
     """``LLM`` keyword arguments of a policy spec, ``name[:option=value,...]``."""
     name, _, rest = spec.partition(":")
     options = {"kv_policy": name}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        options[f"kv_{key}"] = {"true": True, "false": False}.get(value.lower(), value)
+        options[f"kv_{key}"] = _option_value(value)
     return options
 
 
