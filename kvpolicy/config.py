@@ -41,6 +41,7 @@ class KVPolicyConfig:
     merge: bool = True
     alpha: float = 0.5
     mix: float = 0.5
+    combine: str = "blend"
     filter_layers: tuple[int, ...] = OMNIKV_FILTER_LAYERS
     dense_layers: int = OMNIKV_DENSE_LAYERS
     offload: float | None = None
@@ -83,8 +84,10 @@ class KVPolicyConfig:
         for name in ("alpha", "mix"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise KVPolicyConfigError(f"--kv-{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.combine not in ("blend", "union"):
+            raise KVPolicyConfigError(f"--kv-combine is blend or union, got {self.combine!r}")
         defaults = KVPolicyConfig.__dataclass_fields__
-        for name in ("merge", "alpha", "mix"):
+        for name in ("merge", "alpha", "mix", "combine"):
             if getattr(self, name) != defaults[name].default and name not in {f.name for f in fields(policy)}:
                 takers = sorted(p for p, cls in POLICIES.items() if name in {f.name for f in fields(cls)})
                 raise KVPolicyConfigError(

@@ -88,7 +88,10 @@ def reference_layer_ranks(scores):
     return ranks
 
 
-def reference_mix_scores(keys, queries, window, kernel, mix):
-    window_part = reference_scores(keys, queries, window, kernel)
-    keydiff_part = reference_keydiff_scores(keys)[:, : window_part.shape[1]]
-    return (1 - mix) * reference_layer_ranks(window_part) + mix * reference_layer_ranks(keydiff_part)
+def reference_mix_scores(keys, queries, window, kernel, mix, combine="blend"):
+    window_ranks = reference_layer_ranks(reference_scores(keys, queries, window, kernel))
+    keydiff_ranks = reference_layer_ranks(reference_keydiff_scores(keys)[:, : window_ranks.shape[1]])
+    if combine == "union":
+        pairs = zip(window_ranks.tolist(), keydiff_ranks.tolist())
+        return torch.tensor([[max(a, b) for a, b in zip(w, k)] for w, k in pairs], dtype=torch.float64)
+    return (1 - mix) * window_ranks + mix * keydiff_ranks

@@ -11,8 +11,10 @@ are blended:
   tokens together, 0 = lowest, normalised to [0, 1]), so neither scale
   dominates and a head whose tokens rank high in the layer still wins more of
   the layer's budget, as Ada-KV needs.
-- ``score = (1 - mix) * rank(window) + mix * rank(keydiff)``; ``mix = 0`` is
-  Ada-SnapKV exactly, ``mix = 1`` is Ada-KV's allocation over KeyDiff scores.
+- ``combine="blend"``: ``score = (1 - mix) * rank(window) + mix * rank(keydiff)``;
+  ``mix = 0`` is Ada-SnapKV exactly, ``mix = 1`` is Ada-KV's allocation over
+  KeyDiff scores. ``combine="union"``: ``score = max(rank(window), rank(keydiff))``,
+  so a token either ranking puts near the top is kept.
 - Allocation, window and ``budget`` as in Ada-SnapKV (``alpha`` safeguard;
   ``alpha = 1`` gives every head the same count).
 - KeyDiff's anchor is the mean normalised key over the whole prompt, read at
@@ -41,14 +43,18 @@ def layer_ranks(scores: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class AdaMix(AdaSnapKV):
-    """Ada-SnapKV whose token scores blend window and KeyDiff ranks, ``mix`` the KeyDiff share."""
+    """Ada-SnapKV whose token scores combine window and KeyDiff ranks: a blend (``mix`` the KeyDiff share) or
+    their union."""
 
     name = "adamix"
     mix: float = 0.5
+    combine: str = "blend"
 
     def scores(self, prompt: PromptKV) -> torch.Tensor:
         window = window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
-        if self.mix == 0:
+        if self.combine == "blend" and self.mix == 0:
             return window
-        prefix = keydiff_scores(prompt.keys)[:, : window.shape[1]]
-        return (1 - self.mix) * layer_ranks(window) + self.mix * layer_ranks(prefix)
+        prefix = layer_ranks(keydiff_scores(prompt.keys)[:, : window.shape[1]])
+        if self.combine == "union":
+            return torch.maximum(layer_ranks(window), prefix)
+        return (1 - self.mix) * layer_ranks(window) + self.mix * prefix

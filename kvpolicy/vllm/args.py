@@ -45,7 +45,8 @@ _PATCHED = "_kvpolicy_patched"
 
 #: Options only one policy takes: a single value is judged as that policy's (the whole config is judged later).
 _OPTION_POLICY = {"merge": {"policy": "d2o", "budget": 256}, "offload": {"policy": "omnikv", "budget": 256},
-                  "alpha": {"policy": "adamix", "budget": 256}, "mix": {"policy": "adamix", "budget": 256}}
+                  "alpha": {"policy": "adamix", "budget": 256}, "mix": {"policy": "adamix", "budget": 256},
+                  "combine": {"policy": "adamix", "budget": 256}}
 
 
 def _option_type(name: str, convert):
@@ -98,7 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("alpha", float, defaults.alpha,
          "adasnap, adapyramid, adamix: Ada-KV's safeguard, the share of a head's capacity it always gets "
          "(1: the same count for every head)"),
-        ("mix", float, defaults.mix, "adamix: KeyDiff's share of the token scores (0: adasnap's, 1: KeyDiff's)"),
+        ("mix", float, defaults.mix, "adamix: KeyDiff's share of the blended scores (0: adasnap's, 1: KeyDiff's)"),
+        ("combine", str, defaults.combine,
+         "adamix: blend (the two ranks weighted by --kv-mix) or union (a token's better rank: kept if either score keeps it)"),
         ("filter_layers", _layer_list, None,
          "omnikv: layers that select the context of the layers after them, e.g. 2,8,18 "
          f"(default {','.join(map(str, defaults.filter_layers))}: calibrated for SmolLM2-135M)"),

@@ -109,6 +109,9 @@ def test_ada_options_reach_the_policies_that_take_them():
         KVPolicyConfig(policy="snapkv", budget=128, alpha=0.2)
     with pytest.raises(KVPolicyConfigError, match="--kv-mix must be in"):
         KVPolicyConfig(policy="adamix", budget=128, mix=1.5)
+    assert KVPolicyConfig(policy="adamix", budget=128, combine="union").make_policy().combine == "union"
+    with pytest.raises(KVPolicyConfigError, match="--kv-combine is blend or union"):
+        KVPolicyConfig(policy="adamix", budget=128, combine="max")
 
 
 @pytest.mark.parametrize(

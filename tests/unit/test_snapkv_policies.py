@@ -57,11 +57,12 @@ def test_pyramid_budgets_fall_with_depth(prompt):
     assert as_lists(got_ada) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
-@pytest.mark.parametrize("mix, alpha", [(0.5, 0.5), (1.0, 0.5), (1.0, 1.0)])
-def test_adamix_allocates_over_blended_window_and_keydiff_ranks(prompt, mix, alpha):
-    scores = reference_mix_scores(prompt.keys, prompt.window_queries, WINDOW, KERNEL, mix)
+@pytest.mark.parametrize("mix, alpha, combine", [(0.5, 0.5, "blend"), (1.0, 0.5, "blend"), (1.0, 1.0, "blend"),
+                                                (0.5, 0.5, "union")])
+def test_adamix_allocates_over_combined_window_and_keydiff_ranks(prompt, mix, alpha, combine):
+    scores = reference_mix_scores(prompt.keys, prompt.window_queries, WINDOW, KERNEL, mix, combine)
     counts = reference_ada_counts(scores, BUDGET - WINDOW, alpha)
-    got = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=mix, alpha=alpha).keep(prompt, BUDGET)
+    got = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=mix, alpha=alpha, combine=combine).keep(prompt, BUDGET)
     assert as_lists(got) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
