@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import queue
 import subprocess
 import sys
 from collections import defaultdict
@@ -167,8 +168,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskItem], progress) -> list[dict]:
-    """A policy's accuracy rows at each budget; cells already in ``work`` are read, the rest answered by one engine."""
+#: vLLM's CPU worker binds its OpenMP threads to the cores this names (default: the first free one, so
+#: engines started side by side would share it).
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskItem], progress,
+                 core: int | None = None) -> list[dict]:
+    """A policy's accuracy rows at each budget; cells already in ``work`` are read, the rest answered by one
+    engine (bound to ``core`` when given)."""
     payload = [asdict(item) for item in items]
     digest = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:12]
     cells = {b: work / f"{policy}@{b}-{digest}.json" for b in budgets}
@@ -178,7 +186,8 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
         job = work / f"job-{policy}-{digest}.json"
         write_json(job, {"items": payload, "policy": policy, "budgets": missing,
                          "cells": {b: str(cells[b]) for b in missing}})
-        proc = subprocess.run([sys.executable, __file__, "--run-one", str(job)])
+        env = None if core is None else {**os.environ, THREADS_BIND_ENV: str(core)}
+        proc = subprocess.run([sys.executable, __file__, "--run-one", str(job)], env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{policy} failed (exit {proc.returncode}, its log is above); "
                              f"finished cells are kept in {work}")
@@ -192,6 +201,25 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
         rows += [{"policy": policy, **budget_fields(budget), "task": task, "context": length,
                   "accuracy": sum(h) / len(h), "n": len(h)} for (task, length), h in hits.items()]
     return rows
+
+
+def answer_in_parallel(work: Path, grid: list[tuple[str, list[str]]], items: list[TaskItem], progress,
+                       jobs: int) -> list[dict]:
+    """``answer_cells`` for every policy of ``grid``, ``jobs`` engines at a time, each bound to a core of its own
+    (unless ``VLLM_CPU_OMP_THREADS_BIND`` is set or one job runs); rows in grid order."""
+    cores: queue.Queue = queue.Queue()
+    for core in sorted(os.sched_getaffinity(0))[: max(jobs, 1)]:
+        cores.put(None if jobs <= 1 or THREADS_BIND_ENV in os.environ else core)
+
+    def answer(cell: tuple[str, list[str]]) -> list[dict]:
+        core = cores.get()
+        try:
+            return answer_cells(work, *cell, items, progress, core)
+        finally:
+            cores.put(core)
+
+    with ThreadPoolExecutor(cores.qsize()) as pool:
+        return [row for policy_rows in pool.map(answer, grid) for row in policy_rows]
 
 
 def policy_grid(specs: list[str], budgets: list[str]) -> list[tuple[str, list[str]]]:
@@ -227,7 +255,8 @@ def main() -> int:
     parser.add_argument("--depths", nargs="+", type=float)
     parser.add_argument("--seeds", type=int, help="prompts per task, length and depth")
     parser.add_argument("--first-seed", type=int, help=f"the first prompt seed (default 0; {DEV_SEED}: the dev prompts)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="engines at once (default: one per core)")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                        help="engines at once, each on its own core (default: one per core)")
     parser.add_argument("--out", type=Path, help="default: results/quality.json (quick: quality_quick.json)")
     parser.add_argument("--run-one", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -259,9 +288,7 @@ def main() -> int:
         solved = [item for item in items if (item.task, item.length) in reliable]
         if not solved:
             print("the full cache solves no task x context reliably: no policy is run", file=sys.stderr)
-        with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-            answered = pool.map(lambda cell: answer_cells(work, *cell, solved, progress), grid if solved else [])
-            rows += [row for policy_rows in answered for row in policy_rows]
+        rows += answer_in_parallel(work, grid if solved else [], solved, progress, args.jobs)
     settings["reliable"] = RELIABLE
     write_results(out, settings, rows, COLUMNS, plot, table=tables)
     return 0
