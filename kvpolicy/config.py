@@ -41,7 +41,7 @@ class KVPolicyConfig:
     merge: bool = True
     alpha: float = 0.5
     mix: float = 0.5
-    combine: str = "blend"
+    combine: str = "union"
     filter_layers: tuple[int, ...] = OMNIKV_FILTER_LAYERS
     dense_layers: int = OMNIKV_DENSE_LAYERS
     offload: float | None = None

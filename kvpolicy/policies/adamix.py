@@ -48,7 +48,7 @@ class AdaMix(AdaSnapKV):
 
     name = "adamix"
     mix: float = 0.5
-    combine: str = "blend"
+    combine: str = "union"
 
     def scores(self, prompt: PromptKV) -> torch.Tensor:
         window = window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
