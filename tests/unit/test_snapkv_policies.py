@@ -67,7 +67,7 @@ def test_adamix_allocates_over_combined_window_and_keydiff_ranks(prompt, mix, al
 
 
 def test_adamix_without_keydiff_is_adasnap(prompt):
-    adamix = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=0.0).keep(prompt, BUDGET)
+    adamix = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=0.0, combine="blend").keep(prompt, BUDGET)
     adasnap = make_policy("adasnap", window=WINDOW, pool_kernel=KERNEL).keep(prompt, BUDGET)
     assert as_lists(adamix) == as_lists(adasnap)
 
