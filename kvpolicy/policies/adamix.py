@@ -1,20 +1,22 @@
-"""Ada-Mix: Ada-KV's head-adaptive allocation over a blend of observation-window and KeyDiff scores.
+"""Ada-Mix: Ada-KV's head-adaptive allocation over observation-window and KeyDiff rankings combined.
 
 None of the five papers has it; the quality harness chose it (docs/policies.md
 has every variant tried and the seeds they were picked and reported on).
 On the default model the attention-free KeyDiff scores keep needles that the
 observation window misses, while the window keeps the next-token
 distribution; each score ranks a layer's prefix tokens, and the two rankings
-are blended:
+are combined:
 
 - Both scores are turned into ranks over the whole layer (every head's prefix
   tokens together, 0 = lowest, normalised to [0, 1]), so neither scale
   dominates and a head whose tokens rank high in the layer still wins more of
   the layer's budget, as Ada-KV needs.
+- ``combine="union"`` (the default, the harness's pick):
+  ``score = max(rank(window), rank(keydiff))``, so a token either ranking puts
+  near the top is kept.
 - ``combine="blend"``: ``score = (1 - mix) * rank(window) + mix * rank(keydiff)``;
   ``mix = 0`` is Ada-SnapKV exactly, ``mix = 1`` is Ada-KV's allocation over
-  KeyDiff scores. ``combine="union"``: ``score = max(rank(window), rank(keydiff))``,
-  so a token either ranking puts near the top is kept.
+  KeyDiff scores.
 - Allocation, window and ``budget`` as in Ada-SnapKV (``alpha`` safeguard;
   ``alpha = 1`` gives every head the same count).
 - KeyDiff's anchor is the mean normalised key over the whole prompt, read at
