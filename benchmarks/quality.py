@@ -159,11 +159,13 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_title(f"{task} ({', '.join(f'{c // 1000}K' for c in contexts)})", fontsize=9)
             if kind == "budget":
                 ax.set_xscale("log", base=2)
+            else:
+                ax.set_xlim(0.4, 1.0)
             ax.set_xlabel("budget (tokens per KV head)" if kind == "budget" else "compression ratio (share evicted)")
             ax.set_ylim(-0.05, 1.05)
         row_axes[0].set_ylabel("accuracy")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Task accuracy vs budget, SmolLM2-135M in vLLM (CPU);\ncontexts the full cache solves", fontsize=10)
+    fig.suptitle("Task accuracy vs compression, SmolLM2-135M in vLLM (CPU);\ncontexts the full cache solves", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
