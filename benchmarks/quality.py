@@ -68,22 +68,36 @@ def budget_fields(label: str) -> dict:
     return {"budget": int(value) if value is not None and ratio is None else None, "ratio": ratio}
 
 
-def request_budget(label: str, prompt_len: int) -> int | None:
-    """A budget label's ``kv_budget`` for one prompt: tokens as given, ``(1 - ratio) * prompt``, or None."""
+def request_budget(label: str, prompt_len: int, policy: str = "none", num_layers: int = 0) -> int | None:
+    """A budget label's ``kv_budget`` for one prompt of ``policy``: tokens as given, ``(1 - ratio) * prompt``, or None.
+
+    For a policy that selects context instead of evicting (omnikv) a ratio is ``1 - Mem%``, the paper's unit:
+    its sparse layers' budget is what ``--kv-ratio`` (Mem%) gives, so the full-attention layers count in it.
+    """
+    from kvpolicy.config import KVPolicyConfig
+    from kvpolicy.policies import POLICIES
+
     fields = budget_fields(label)
-    return round((1 - fields["ratio"]) * prompt_len) if fields["ratio"] is not None else fields["budget"]
+    if fields["ratio"] is None:
+        return fields["budget"]
+    options = {key.removeprefix("kv_"): value for key, value in policy_options(policy).items()}
+    if POLICIES[options["policy"]].selects_context:
+        return KVPolicyConfig(**options, ratio=1 - fields["ratio"]).sparse_budget(prompt_len, num_layers)
+    return round((1 - fields["ratio"]) * prompt_len)
 
 
 def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[str, str]) -> None:
     """One engine, in this process; each budget's answers are written to ``cells[budget]`` once they are in."""
     import kvpolicy.vllm  # noqa: F401
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvpolicy.model import prepare
 
-    largest = max((request_budget(b, len(item["ids"])) for b in budgets if b != FULL_CACHE for item in items),
-                  default=None)
+    num_layers = AutoConfig.from_pretrained(str(prepare())).num_hidden_layers
+    largest = max((request_budget(b, len(item["ids"]), policy, num_layers)
+                   for b in budgets if b != FULL_CACHE for item in items), default=None)
     llm = LLM(
         str(prepare()), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
         max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0,
@@ -91,7 +105,7 @@ def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[s
     )
     prompts = [TokensPrompt(prompt_token_ids=item["ids"]) for item in items]
     for budget in budgets:
-        requested = [request_budget(budget, len(item["ids"])) for item in items]
+        requested = [request_budget(budget, len(item["ids"]), policy, num_layers) for item in items]
         params = [SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0,
                                  extra_args=None if tokens is None else {"kv_budget": tokens}) for tokens in requested]
         outputs = llm.generate(prompts, params, use_tqdm=True)

@@ -1,5 +1,7 @@
 """The quality harness's tasks: exact lengths, reproducible, the asked-for fact at its depth; its arithmetic."""
 
+import math
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -61,6 +63,14 @@ def test_request_budget_reads_tokens_and_compression_ratios():
     assert request_budget("256", 4000) == 256
     assert request_budget("0.9", 4000) == 400
     assert request_budget("0.75", 1000) == 250
+
+
+def test_omnikv_ratio_is_one_minus_the_papers_mem_share():
+    """The paper's Mem% (§5): full-attention layers read f = (2|L| + L0) / layers = (2 * 3 + 2) / 30 of the
+    cache, so at 30% Mem each sparse layer reads (0.3 - f) / (1 - f) of the prompt."""
+    dense = 8 / 30
+    assert request_budget("0.7", 1000, "omnikv", 30) == math.ceil((0.3 - dense) / (1 - dense) * 1000) == 46
+    assert request_budget("0.5", 4000, "omnikv:dense_layers=0", 30) == math.ceil((0.5 - 6 / 30) / (1 - 6 / 30) * 4000)
 
 
 def test_policy_specs_carry_typed_options_and_their_own_budget():
