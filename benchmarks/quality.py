@@ -12,11 +12,12 @@ the task x contexts the full cache solves (its whole table is in the JSON).
 A budget is a token count (``256``: tokens kept per KV head, or per sparse
 layer for omnikv) or a compression ratio below 1, the unit kvpress and the
 papers report (``0.75``: a quarter of each prompt kept, the budget
-``--kv-ratio 0.25`` would give). Budgets are per
+``--kv-ratio 0.25`` would give; for omnikv, 1 - Mem%). Budgets are per
 request (``kv_budget`` in the request's ``extra_args``), so each policy is one
 engine, in its own process (``--jobs`` of them at once: the CPU engine uses
 one core), reading prompts in chunks of ``PREFILL_CHUNK`` tokens (keydiff
-evicts after each). A policy spec may name its own budget, ``omnikv@0.7``. Every (policy, budget) cell is saved in
+evicts after each). A policy spec may name its own budget, ``omnikv@0.7``.
+Every (policy, budget) cell is saved in
 ``<out>.work/`` as soon as its engine has answered it, under a digest of its
 prompts: an interrupted or extended run computes only the cells it lacks.
 Greedy decoding, fp32. Writes ``benchmarks/results/quality.json`` (quick:
