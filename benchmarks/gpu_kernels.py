@@ -87,7 +87,7 @@ def decode_case(requests: int, length: int, ragged: bool = False) -> Case:
         query = torch.randn(requests, Q_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
         out = torch.empty_like(query)
         seq = torch.arange(seqs, device="cuda")
-        args = (seq // KV_HEADS, seq % KV_HEADS, seq, torch.arange(seqs + 1, device="cuda"), seq_lens, table)
+        args = (seq // KV_HEADS, seq % KV_HEADS, torch.arange(seqs + 1, device="cuda"), seq_lens, table)
         k, v = dense_kv(requests, length)
         q = query.unsqueeze(2)
         return (
@@ -110,7 +110,7 @@ def prefill_case(length: int) -> Case:
         token = torch.arange(length, device="cuda").repeat(KV_HEADS)
         head = torch.arange(KV_HEADS, device="cuda").repeat_interleave(length)
         starts = torch.arange(KV_HEADS + 1, device="cuda") * length
-        args = (token, head, head, starts, seq_lens, table)
+        args = (token, head, starts, seq_lens, table)
         k, v = dense_kv(1, length)
         q = query.transpose(0, 1).unsqueeze(0)
         return (

@@ -2,79 +2,168 @@
 
 A virtual sequence is one KV head of one request, with its own length and
 page table, so every KV head may keep a different number of tokens. One
-program serves one virtual token: its G query heads form a [G, D] tile that
-walks the sequence's pages with an online softmax. The page count is read
-from memory, not passed from the host, so a captured CUDA graph replays
-correctly for any lengths.
+program serves a tile of consecutive virtual tokens of one sequence: their
+query heads stacked as the rows of one [BLOCK_Q * GROUP_PAD, D] tile (so a
+decode token's G heads fill tensor-core rows), walking the sequence's keys
+BLOCK_N at a time (a tile spans several pages, each token's page looked up
+in the table) with an online softmax. Long decodes are split along the keys
+over ``splits`` programs whose partial softmax states one reduction merges
+(flash-decoding), so a small batch still fills the GPU.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .addressing import group_query, page_logits, slot_offsets
+from .addressing import slot_offsets
 from .geometry import PageGeometry, flat
+
+#: Keys per inner step, and rows of the query tile for decodes (one token) and for chunks (several tokens).
+BLOCK_N = 64
+DECODE_ROWS, CHUNK_ROWS = 16, 64
+#: Triton launch settings of a decode-only call and of a call with chunks (an H100 sweep of 4/8 warps and
+#: 2/3 stages, 32-128 keys per step and 256/512 keys per split moved these timings by under 10%).
+DECODE_LAUNCH = dict(num_warps=4, num_stages=2)
+CHUNK_LAUNCH = dict(num_warps=4, num_stages=2)
+#: A split serves at least this many keys; the grid aims at this many programs.
+MIN_SPLIT_KEYS, TARGET_PROGRAMS = 256, 1024
 
 
 @triton.jit
 def _paged_attention_kernel(
-    query_ptr, out_ptr, cache_ptr,
-    token_of_ptr, head_of_ptr, seq_of_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
+    query_ptr, out_ptr, cache_ptr, part_out_ptr, part_stats_ptr,
+    token_of_ptr, head_of_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
     q_stride_t, q_stride_h, q_stride_d, o_stride_t, o_stride_h, o_stride_d, table_stride,
-    qk_scale, group, head_size,
+    qk_scale, group, rows_total,
     block_size, heads_per_block, block_stride, head_stride,
     k_offset, k_token_stride, k_dim_stride, v_offset, v_token_stride, v_dim_stride,
-    GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, LOW_PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    token = tl.load(token_of_ptr + row).to(tl.int64)
-    kv_head = tl.load(head_of_ptr + row).to(tl.int64)
-    seq = tl.load(seq_of_ptr + row).to(tl.int64)
+    seq = tl.program_id(0)
+    first_q = tl.program_id(1) * BLOCK_Q
+    split = tl.program_id(2)
     first = tl.load(query_start_ptr + seq).to(tl.int64)
     count = tl.load(query_start_ptr + seq + 1).to(tl.int64) - first
-    # This token sits at position seq_len - count + (row - first) and sees keys up to it, inclusive.
-    visible = tl.load(seq_lens_ptr + seq).to(tl.int64) - count + (row - first) + 1
+    if first_q >= count:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
 
+    m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    q_in_seq = first_q + m // GROUP_PAD
+    head_in_group = m % GROUP_PAD
+    row_ok = (q_in_seq < count) & (head_in_group < group)
+    vrow = first + q_in_seq
+    token = tl.load(token_of_ptr + vrow, mask=row_ok, other=0).to(tl.int64)
+    q_head = tl.load(head_of_ptr + vrow, mask=row_ok, other=0).to(tl.int64) * group + head_in_group
+    # Row m's token sits at position seq_len - count + q_in_seq and sees keys up to it, inclusive.
+    position = seq_len - count + q_in_seq
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    q = tl.load(
+        query_ptr + token[:, None] * q_stride_t + q_head[:, None] * q_stride_h + dims[None, :] * q_stride_d,
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    q = q.to(cache_ptr.dtype.element_ty) if LOW_PRECISION else q.to(tl.float32)
+
+    # Keys this tile needs (its last row's), cut into SPLITS ranges of whole key blocks.
+    visible = seq_len - count + tl.minimum(first_q + BLOCK_Q, count)
+    per_split = tl.cdiv(tl.cdiv(visible, BLOCK_N), SPLITS) * BLOCK_N
+    start = split * per_split
+    stop = tl.minimum(start + per_split, visible)
+
+    best = tl.full((BLOCK_Q * GROUP_PAD,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_Q * GROUP_PAD,), tl.float32)
+    acc = tl.zeros((BLOCK_Q * GROUP_PAD, HEAD_PAD), tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    for key_start in range(start, stop, BLOCK_N):
+        j = key_start + keys
+        key_ok = j < stop
+        page = tl.load(page_table_ptr + seq * table_stride + j // block_size, mask=key_ok, other=0).to(tl.int64)
+        slots = page * block_size + j % block_size
+        # Masks constant along the head dimension let the loads vectorise when no dimension is padding.
+        if HEAD_SIZE == HEAD_PAD:
+            kv_mask = key_ok[:, None]
+        else:
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(cache_ptr + slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
+                                             k_offset, k_token_stride, k_dim_stride), mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
+                                             v_offset, v_token_stride, v_dim_stride), mask=kv_mask, other=0.0)
+        if LOW_PRECISION:
+            logits = tl.dot(q, tl.trans(k)) * qk_scale
+        else:
+            logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+        live = key_ok[None, :] & (j[None, :] <= position[:, None]) & row_ok[:, None]
+        logits = tl.where(live, logits, float("-inf"))
+        new_best = tl.maximum(best, tl.max(logits, axis=1))
+        # Rows with no live key yet keep a -inf maximum; shift them by 0 so exp2 stays 0, not NaN.
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        weights = tl.exp2(logits - shift[:, None])
+        rescale = tl.exp2(best - shift)
+        total = total * rescale + tl.sum(weights, axis=1)
+        if LOW_PRECISION:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+        else:
+            acc = acc * rescale[:, None] + tl.dot(weights, v.to(tl.float32), input_precision="ieee")
+        best = new_best
+
+    if SPLITS == 1:
+        result = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
+            result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+        )
+    else:
+        # Partial state of virtual token vrow and query head, indexed [split, vrow, head in group].
+        part = (split * rows_total + vrow) * GROUP_PAD + head_in_group
+        tl.store(part_out_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_stats_ptr + 2 * part, best, mask=row_ok)
+        tl.store(part_stats_ptr + 2 * part + 1, total, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_stats_ptr, token_of_ptr, head_of_ptr,
+    o_stride_t, o_stride_h, o_stride_d, group, head_size, rows_total,
+    GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """One virtual token: merge its SPLITS partial softmax states (max, sum, weighted values) into the output."""
+    vrow = tl.program_id(0)
     heads = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_PAD)
     head_ok = heads < group
-    dim_ok = dims < head_size
-    q_heads = kv_head * group + heads
-    q = group_query(query_ptr, token, kv_head, group, heads, dims, head_ok, dim_ok, q_stride_t, q_stride_h, q_stride_d,
-                    qk_scale)
-
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_PAD), tl.float32)
-    tokens = tl.arange(0, PAGE_PAD)
-    num_pages = tl.cdiv(visible, block_size)
-    for p in range(0, num_pages):
-        page = tl.load(page_table_ptr + seq * table_stride + p).to(tl.int64)
-        logits, live = page_logits(q, cache_ptr, page, p * block_size, visible, tokens, dims, dim_ok, block_size,
-                                   heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride)
-        v = tl.load(
-            cache_ptr + slot_offsets(page * block_size + tokens, dims, block_size, heads_per_block, block_stride,
-                                     head_stride, v_offset, v_token_stride, v_dim_stride),
-            mask=live[:, None] & dim_ok[None, :], other=0.0,
-        ).to(tl.float32)
-        # Every page in the loop holds a visible key, so the new maximum is finite.
-        new_best = tl.maximum(best, tl.max(logits, axis=1))
-        rescale = tl.exp2(best - new_best)
-        weights = tl.exp2(logits - new_best[:, None])
-        total = total * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+    for split in range(SPLITS):
+        part = (split * rows_total + vrow) * GROUP_PAD + heads
+        # A split past the sequence's keys ran no step: its (-inf, 0) state adds nothing.
+        part_best = tl.load(part_stats_ptr + 2 * part, mask=head_ok, other=float("-inf"))
+        part_total = tl.load(part_stats_ptr + 2 * part + 1, mask=head_ok, other=0.0)
+        part_acc = tl.load(part_out_ptr + part[:, None] * HEAD_PAD + dims[None, :], mask=head_ok[:, None], other=0.0)
+        new_best = tl.maximum(best, part_best)
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        old_scale, part_scale = tl.exp2(best - shift), tl.exp2(part_best - shift)
+        total = total * old_scale + part_total * part_scale
+        acc = acc * old_scale[:, None] + part_acc * part_scale[:, None]
         best = new_best
-
-    result = acc / total[:, None]
+    token = tl.load(token_of_ptr + vrow).to(tl.int64)
+    q_head = tl.load(head_of_ptr + vrow).to(tl.int64) * group + heads
+    result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
-        out_ptr + token * o_stride_t + q_heads[:, None] * o_stride_h + dims[None, :] * o_stride_d,
-        result.to(out_ptr.dtype.element_ty),
-        mask=head_ok[:, None] & dim_ok[None, :],
+        out_ptr + token * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
+        result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dims < head_size)[None, :],
     )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def paged_attention(
@@ -84,51 +173,75 @@ def paged_attention(
     geom: PageGeometry,
     token_of: torch.Tensor,
     head_of: torch.Tensor,
-    seq_of: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     page_table: torch.Tensor,
     scale: float,
     num_kv_heads: int,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> None:
     """Write into ``out`` [T, Hq, D] the causal paged attention of every virtual token (see module docstring).
 
     Virtual token i is query heads ``head_of[i]*G .. +G`` of batch token
-    ``token_of[i]``; it belongs to virtual sequence ``seq_of[i]``, which owns
-    virtual tokens ``query_start_loc[s] .. query_start_loc[s+1]`` (the last
-    positions of its ``seq_lens[s]`` keys, on pages ``page_table[s]``).
+    ``token_of[i]``; virtual sequence s owns virtual tokens
+    ``query_start_loc[s] .. query_start_loc[s+1]`` (the last positions of its
+    ``seq_lens[s]`` keys, on pages ``page_table[s]``). The two maxima size the
+    grid; callers that know them on the host pass them (else read back here).
     """
     rows = token_of.numel()
     if rows == 0:
         return
+    seqs = query_start_loc.numel() - 1
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
     group = query.shape[1] // num_kv_heads
-    _paged_attention_kernel[(rows,)](
-        query, out, cache,
-        token_of, head_of, seq_of, query_start_loc, seq_lens, page_table,
+    group_pad = triton.next_power_of_2(group)
+    head_pad = max(16, triton.next_power_of_2(geom.head_size))
+    block_q = max(1, (DECODE_ROWS if max_query_len == 1 else CHUNK_ROWS) // group_pad)
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    splits = 1
+    if max_query_len == 1:
+        splits = max(1, min(triton.cdiv(max_seq_len, MIN_SPLIT_KEYS), TARGET_PROGRAMS // seqs))
+    part_out = part_stats = out  # unused when the kernel writes the output directly
+    if splits > 1:
+        part_out = torch.empty(splits, rows, group_pad, head_pad, dtype=torch.float32, device=query.device)
+        part_stats = torch.empty(splits, rows, group_pad, 2, dtype=torch.float32, device=query.device)
+    low_precision = cache.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+    _paged_attention_kernel[(seqs, q_tiles, splits)](
+        query, out, cache, part_out, part_stats,
+        token_of, head_of, query_start_loc, seq_lens, page_table,
         *query.stride(), *out.stride(), page_table.stride(0),
-        scale * math.log2(math.e), group, geom.head_size,
+        scale * math.log2(math.e), group, rows,
         *geom.addressing(),
-        GROUP_PAD=triton.next_power_of_2(group),
-        HEAD_PAD=triton.next_power_of_2(geom.head_size),
-        PAGE_PAD=triton.next_power_of_2(geom.block_size),
+        HEAD_SIZE=geom.head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, HEAD_PAD=head_pad, BLOCK_N=BLOCK_N,
+        SPLITS=splits, LOW_PRECISION=low_precision, **(DECODE_LAUNCH if max_query_len == 1 else CHUNK_LAUNCH),
     )
+    if splits > 1:
+        _merge_splits_kernel[(rows,)](
+            out, part_out, part_stats, token_of, head_of, *out.stride(), group, geom.head_size, rows,
+            GROUP_PAD=group_pad, HEAD_PAD=head_pad, SPLITS=splits,
+        )
 
 
 def paged_attention_reference(
-    query, out, cache, geom, token_of, head_of, seq_of, query_start_loc, seq_lens, page_table, scale, num_kv_heads
+    query, out, cache, geom, token_of, head_of, query_start_loc, seq_lens, page_table, scale, num_kv_heads
 ) -> None:
     """Plain torch, one virtual token at a time: softmax(q K^T * scale) V over the keys at positions <= its own."""
     group = query.shape[1] // num_kv_heads
     storage = flat(cache)
-    for i in range(token_of.numel()):
-        seq = int(seq_of[i])
-        first, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
-        position = int(seq_lens[seq]) - (end - first) + (i - first)
-        keys_at = torch.arange(position + 1, device=cache.device)
-        slots = page_table[seq].long()[keys_at // geom.block_size] * geom.block_size + keys_at % geom.block_size
-        k = storage[geom.element_index(slots)].float()
-        v = storage[geom.element_index(slots, value=True)].float()
-        heads = slice(int(head_of[i]) * group, (int(head_of[i]) + 1) * group)
-        q = query[int(token_of[i]), heads].float()
-        weights = torch.softmax(q @ k.T * scale, dim=-1)
-        out[int(token_of[i]), heads] = (weights @ v).to(out.dtype)
+    starts = query_start_loc.tolist()
+    for seq in range(len(starts) - 1):
+        first, end = starts[seq], starts[seq + 1]
+        for i in range(first, end):
+            position = int(seq_lens[seq]) - (end - first) + (i - first)
+            keys_at = torch.arange(position + 1, device=cache.device)
+            slots = page_table[seq].long()[keys_at // geom.block_size] * geom.block_size + keys_at % geom.block_size
+            k = storage[geom.element_index(slots)].float()
+            v = storage[geom.element_index(slots, value=True)].float()
+            heads = slice(int(head_of[i]) * group, (int(head_of[i]) + 1) * group)
+            q = query[int(token_of[i]), heads].float()
+            weights = torch.softmax(q @ k.T * scale, dim=-1)
+            out[int(token_of[i]), heads] = (weights @ v).to(out.dtype)

@@ -10,26 +10,27 @@ from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, TOLERANCE, index, make
 
 # (new tokens, KV length of each KV head): decodes (1 new token) and chunks (causal inside the chunk).
 REQUESTS = [(1, [17, 5, 33]), (4, [33, 9, 20]), (1, [1, 2, 16]), (5, [5, 8, 12])]
+# Decodes long enough to be split along the keys and merged; a chunk longer than one query tile.
+LONG_DECODES = [(1, [700, 1100, 90]), (1, [513, 64, 1030])]
+LONG_CHUNK = [(40, [45, 40, 70]), (1, [30, 17, 5])]
 QUERY_HEADS = 6
 
 
-def build_batch(layout, kv_heads, head_size, dtype, skip=None):
-    """A batch over the REQUESTS, one virtual sequence per (request, KV head) except ``skip``."""
+def build_batch(layout, kv_heads, head_size, dtype, skip=None, requests=REQUESTS):
+    """A batch over ``requests``, one virtual sequence per (request, KV head) except ``skip``."""
     bs = LAYOUTS[layout]
-    max_pages = max(-(-n // bs) for _, lens in REQUESTS for n in lens) + 1
-    blocks = len(REQUESTS) * max_pages  # kv_heads pages each: room for every sequence's table
+    max_pages = max(-(-n // bs) for _, lens in requests for n in lens) + 1
+    blocks = len(requests) * max_pages  # kv_heads pages each: room for every sequence's table
     cache, geom = make_cache(layout, blocks, kv_heads, head_size, dtype)
     pool = iter(shuffled_pages(blocks * kv_heads).tolist())
-    token_of, head_of, seq_of, starts, seq_lens, table = [], [], [], [0], [], []
+    token_of, head_of, starts, seq_lens, table = [], [], [0], [], []
     first_token = 0
-    for r, (q_len, lens) in enumerate(REQUESTS):
+    for r, (q_len, lens) in enumerate(requests):
         for h in range(kv_heads):
             if (r, h) == skip:
                 continue
-            seq = len(seq_lens)
             token_of += range(first_token, first_token + q_len)
             head_of += [h] * q_len
-            seq_of += [seq] * q_len
             starts.append(starts[-1] + q_len)
             seq_lens.append(lens[h % len(lens)])
             table.append([next(pool) for _ in range(max_pages)])
@@ -38,7 +39,7 @@ def build_batch(layout, kv_heads, head_size, dtype, skip=None):
     query = torch.randn(first_token, QUERY_HEADS, head_size, generator=generator).to(DEVICE, dtype)
     out = torch.full_like(query, 7.0)
     ints = dict(
-        token_of=index(token_of), head_of=index(head_of), seq_of=index(seq_of, torch.int64),
+        token_of=index(token_of), head_of=index(head_of),
         query_start_loc=index(starts), seq_lens=index(seq_lens), page_table=index(table, torch.int64),
     )
     return query, out, cache, geom, ints
@@ -69,3 +70,16 @@ def test_paged_attention_triton_head_sizes(head_size, kv_heads):
     paged_attention(query, out, cache, geom, **args)
     paged_attention_reference(query, want, cache, geom, **args)
     torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("requests", [LONG_DECODES, LONG_CHUNK], ids=["split_decodes", "long_chunk"])
+def test_paged_attention_triton_long_sequences(requests, dtype):
+    """Decodes over 512+ keys take the split-and-merge path; a 40-token chunk spans two query tiles."""
+    kv_heads, head_size = 3, 32
+    query, out, cache, geom, ints = build_batch("head_major", kv_heads, head_size, dtype, requests=requests)
+    want = out.clone()
+    args = dict(ints, scale=1 / math.sqrt(head_size), num_kv_heads=kv_heads)
+    paged_attention(query, out, cache, geom, **args)
+    paged_attention_reference(query, want, cache, geom, **args)
+    torch.testing.assert_close(out, want, **TOLERANCE[dtype])

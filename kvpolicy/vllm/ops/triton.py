@@ -30,11 +30,11 @@ from kvpolicy.vllm.step import AttentionBatch
 
 @dataclass(frozen=True)
 class VirtualSequences:
-    """A call's one-head virtual sequences: ``seq_of[i]`` for each virtual token, and, for rows in
-    vLLM's layout (``kv_heads > 1``), their expansion into one sequence per (row, head):
-    ``local_token`` indexes the call's own tokens (``AttentionBatch.token_idx``)."""
+    """A call's one-head virtual sequences: the most tokens one of them brings (it sizes the kernel's
+    grid), and, for rows in vLLM's layout (``kv_heads > 1``), their expansion into one sequence per
+    (row, head): ``local_token`` indexes the call's own tokens (``AttentionBatch.token_idx``)."""
 
-    seq_of: torch.Tensor
+    max_query_len: int
     local_token: torch.Tensor | None = None
     head_of: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
@@ -42,16 +42,15 @@ class VirtualSequences:
     page_table: torch.Tensor | None = None
 
 
-def _sequence_of_tokens(query_start_loc: torch.Tensor) -> torch.Tensor:
-    counts = query_start_loc[1:].long() - query_start_loc[:-1].long()
-    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+def _max_query_len(query_start_loc: torch.Tensor) -> int:
+    return int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query_start_loc.numel() > 1 else 0
 
 
 def plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads: int, queries_per_kv: int) -> VirtualSequences:
     """The ``Planner`` of the Triton ops. Rows in vLLM's layout become ``kv_heads`` one-head sequences
     each (ordered row, head, position), over pages ``block * kv_heads + head``."""
     if kv_heads == 1 or query_start_loc.numel() == 1:
-        return VirtualSequences(_sequence_of_tokens(query_start_loc))
+        return VirtualSequences(_max_query_len(query_start_loc))
     qsl = query_start_loc.long()
     counts = qsl[1:] - qsl[:-1]
     rows = counts.numel()
@@ -62,7 +61,7 @@ def plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads: int
     virtual_qsl[1:] = counts.repeat_interleave(kv_heads).cumsum(0)
     table = block_table.long()[:, None, :] * kv_heads + heads[None, :, None]
     return VirtualSequences(
-        seq_of=_sequence_of_tokens(virtual_qsl),
+        max_query_len=_max_query_len(virtual_qsl),
         local_token=torch.cat(local) if local else torch.zeros(0, dtype=torch.int64),
         head_of=torch.cat(head_of) if head_of else torch.zeros(0, dtype=torch.int64),
         query_start_loc=virtual_qsl,
@@ -126,8 +125,9 @@ class TritonOps(KVOps):
                 return
             token_of, head_of = batch.token_idx[virtual.local_token], virtual.head_of
             qsl, seq_lens, table = virtual.query_start_loc, virtual.seq_lens, virtual.page_table
-        indices = _on(cache.device, token_of, head_of, virtual.seq_of, qsl, seq_lens, table)
-        paged_attention(query, out, cache, cache_geometry(layer, cache), *indices, self.impl.scale, self.impl.num_kv_heads)
+        indices = _on(cache.device, token_of, head_of, qsl, seq_lens, table)
+        paged_attention(query, out, cache, cache_geometry(layer, cache), *indices, self.impl.scale,
+                        self.impl.num_kv_heads, virtual.max_query_len, int(seq_lens.max()))
 
     def gather(self, layer, cache, slots):
         return gather_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots))
