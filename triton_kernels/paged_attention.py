@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,13 +24,20 @@ import triton.language as tl
 from .addressing import slot_offsets
 from .geometry import PageGeometry, flat
 
-#: Keys per inner step, and rows of the query tile for decodes (one token) and for chunks (several tokens).
-BLOCK_N = 64
-DECODE_ROWS, CHUNK_ROWS = 16, 64
-#: Triton launch settings of a decode-only call and of a call with chunks (an H100 sweep of 4/8 warps and
-#: 2/3 stages, 32-128 keys per step and 256/512 keys per split moved these timings by under 10%).
-DECODE_LAUNCH = dict(num_warps=4, num_stages=2)
-CHUNK_LAUNCH = dict(num_warps=4, num_stages=2)
+
+@dataclass(frozen=True)
+class Tiling:
+    """Keys per inner step, rows of the query tile, and Triton's launch settings, for one kind of call."""
+
+    block_n: int
+    rows: int
+    num_warps: int
+    num_stages: int
+
+
+#: Decode-only calls and calls with prompt chunks, picked by a sweep on an H100 (docs/benchmarks.md).
+DECODE_TILING = Tiling(block_n=128, rows=16, num_warps=4, num_stages=2)
+CHUNK_TILING = Tiling(block_n=32, rows=128, num_warps=4, num_stages=3)
 #: A split serves at least this many keys; the grid aims at this many programs.
 MIN_SPLIT_KEYS, TARGET_PROGRAMS = 256, 1024
 
@@ -200,7 +208,8 @@ def paged_attention(
     group = query.shape[1] // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(geom.head_size))
-    block_q = max(1, (DECODE_ROWS if max_query_len == 1 else CHUNK_ROWS) // group_pad)
+    tiling = DECODE_TILING if max_query_len == 1 else CHUNK_TILING
+    block_q = max(1, tiling.rows // group_pad)
     q_tiles = triton.cdiv(max_query_len, block_q)
     splits = 1
     if max_query_len == 1:
@@ -216,8 +225,8 @@ def paged_attention(
         *query.stride(), *out.stride(), page_table.stride(0),
         scale * math.log2(math.e), group, rows,
         *geom.addressing(),
-        HEAD_SIZE=geom.head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, HEAD_PAD=head_pad, BLOCK_N=BLOCK_N,
-        SPLITS=splits, LOW_PRECISION=low_precision, **(DECODE_LAUNCH if max_query_len == 1 else CHUNK_LAUNCH),
+        HEAD_SIZE=geom.head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, HEAD_PAD=head_pad, BLOCK_N=tiling.block_n,
+        SPLITS=splits, LOW_PRECISION=low_precision, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(rows,)](

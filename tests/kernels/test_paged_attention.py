@@ -12,7 +12,7 @@ from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, TOLERANCE, index, make
 REQUESTS = [(1, [17, 5, 33]), (4, [33, 9, 20]), (1, [1, 2, 16]), (5, [5, 8, 12])]
 # Decodes long enough to be split along the keys and merged; a chunk longer than one query tile.
 LONG_DECODES = [(1, [700, 1100, 90]), (1, [513, 64, 1030])]
-LONG_CHUNK = [(40, [45, 40, 70]), (1, [30, 17, 5])]
+LONG_CHUNK = [(80, [85, 80, 120]), (1, [30, 17, 5])]
 QUERY_HEADS = 6
 
 
@@ -75,7 +75,7 @@ def test_paged_attention_triton_head_sizes(head_size, kv_heads):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("requests", [LONG_DECODES, LONG_CHUNK], ids=["split_decodes", "long_chunk"])
 def test_paged_attention_triton_long_sequences(requests, dtype):
-    """Decodes over 512+ keys take the split-and-merge path; a 40-token chunk spans two query tiles."""
+    """Decodes over 512+ keys take the split-and-merge path; an 80-token chunk spans two query tiles."""
     kv_heads, head_size = 3, 32
     query, out, cache, geom, ints = build_batch("head_major", kv_heads, head_size, dtype, requests=requests)
     want = out.clone()
