@@ -5,6 +5,8 @@
 
 namespace kvpolicy {
 at::Tensor attention_column_sums(const at::Tensor& keys, const at::Tensor& queries, double scale);
+std::vector<at::Tensor> prompt_attention(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& queries,
+                                         double scale);
 at::Tensor new_token_weights(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
                              const at::Tensor& token_of, const at::Tensor& head_of, const at::Tensor& page_table,
                              const at::Tensor& seq_lens, double scale, int64_t num_kv_heads);
@@ -21,6 +23,7 @@ void move_tokens(at::Tensor& cache, const std::vector<int64_t>& addressing, int6
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_column_sums", &kvpolicy::attention_column_sums);
+  m.def("prompt_attention", &kvpolicy::prompt_attention);
   m.def("new_token_weights", &kvpolicy::new_token_weights);
   m.def("context_token_scores", &kvpolicy::context_token_scores);
   m.def("gather_tokens", &kvpolicy::gather_tokens);

@@ -18,6 +18,18 @@ def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, scale: floa
     return _C.attention_column_sums(keys, queries, scale)
 
 
+def prompt_attention(
+    keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the last ``count`` positions and its column sums, from one QK^T.
+
+    ``keys``, ``values`` [kv_heads, length, dim]; ``queries`` [q_heads, count, dim]. Returns the
+    output [q_heads, count, dim] float32 and ``attention_column_sums(keys, queries, scale)``.
+    """
+    out, sums = _C.prompt_attention(keys, values, queries, scale)
+    return out, sums
+
+
 def new_token_weights(query, cache, geom, token_of, head_of, page_table, seq_lens, scale, num_kv_heads) -> torch.Tensor:
     """Per sequence, its new token's softmax weights over its pages, its query heads averaged,
     [sequences, pages * block_size] float32. Reference: ``kvpolicy_triton.new_token_weights_reference``."""

@@ -75,7 +75,8 @@ class Policy:
     ``relocates``: requests leave vLLM's stock layout for per-(request, layer,
     kv-head) pages once their prompt is read. ``needs_window``: the backend
     must hand over the last ``window`` prompt queries. ``needs_queries``: it
-    must hand over every prompt query (and the values).
+    must hand over every prompt query, or the column sums of their attention
+    (``PromptKV.column_sums``), and the values.
     ``budgets_across_layers``: a layer's budget depends on what every layer
     observed (``observe`` then ``layer_budgets``), so the engine compresses a
     prompt only after its last layer has run. ``evicts_while_reading``: the

@@ -47,7 +47,7 @@ class KVPolicyAttention:
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         step = step_of(self._layer_metadata(layer))
         if isinstance(step, RelocatingStep) and step.per_head is not None:
-            self._write_stock(layer, key, value, kv_cache, slot_mapping, step.stock.token_idx)
+            self._write_stock(layer, key, value, kv_cache, slot_mapping, step.platform_layout_tokens)
             self.per_head.write(layer, layer_index(layer.layer_name), key, value, kv_cache, step.per_head)
         elif isinstance(step, SelectingStep) and step.offloaded is not None:
             self._write_stock(layer, key, value, kv_cache, slot_mapping, step.resident.token_idx)
@@ -75,7 +75,7 @@ class KVPolicyAttention:
         if isinstance(step, SelectingStep):
             self.selection.attend(layer, layer_idx, query, out, kv_cache, step, stock)
             return output
-        if step.per_head is None:
+        if step.per_head is None and not step.summed:
             output = stock()
         else:
             self.per_head.attend(layer, layer_idx, query, out, kv_cache, step)

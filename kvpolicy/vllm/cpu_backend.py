@@ -50,13 +50,15 @@ class KVPolicyCPUBackend(_cpu_attn.CPUAttentionBackend):
 class KVPolicyCPUMetadataBuilder(_cpu_attn.CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        ops = make_ops(builder=self)
         self.steps = StepBuilder(
             num_layers=vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             block_size=self.block_size,
             max_model_len=vllm_config.model_config.max_model_len,
-            plan=make_ops(builder=self).plan,
+            plan=ops.plan,
+            sums_prompts=ops.sums_prompts,
         )
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):

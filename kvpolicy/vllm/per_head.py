@@ -31,10 +31,16 @@ class PerHeadPath:
         self.ops.write(layer, kv_cache, key, value, per_head.token_of, per_head.head_of, per_head.slots[layer_idx])
 
     def attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
-        """Stock rows in vLLM's layout, relocated rows per head; ``out`` [T, q_heads, D]."""
+        """Stock rows in vLLM's layout, relocated rows per head, summed prompt chunks with their
+        column sums; ``out`` [T, q_heads, D]."""
         self.ops.attend(layer, query, out, kv_cache, step.stock)
         per_head = step.per_head
-        self.ops.attend(layer, query, out, kv_cache, per_head.layers[layer_idx], per_head.token_of, per_head.head_of)
+        if per_head is not None:
+            batch = per_head.layers[layer_idx]
+            self.ops.attend(layer, query, out, kv_cache, batch, per_head.token_of, per_head.head_of)
+        for chunk in step.summed:
+            sums = self.ops.prompt_attention(layer, query, out, kv_cache, chunk)
+            WORKER_STATE.add_column_sums(chunk.req_id, layer_idx, sums)
 
     def after_attention(self, layer, layer_idx: int, query, kv_cache, step: RelocatingStep) -> None:
         """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes."""
@@ -118,7 +124,11 @@ class PerHeadPath:
         policy = relocation.policy
         column_sums = None
         if policy.accumulates_attention and queries is not None:
-            column_sums = self.ops.prompt_column_sums(keys, queries)
+            # Summed chunks' sums cover the prompt's first positions; stashed queries, its last ones.
+            column_sums = WORKER_STATE.take_column_sums(relocation.req_id, layer_idx, keys.shape[1])
+            if queries.shape[1]:
+                from_queries = self.ops.prompt_column_sums(keys, queries)
+                column_sums = from_queries if column_sums is None else column_sums + from_queries
         return PromptKV(
             keys,
             window_queries=queries if policy.needs_window else None,

@@ -57,7 +57,7 @@ class PageSpace:
 class WorkerState:
     """Per worker process: the policy, the model runner (to map batch rows to
     request ids), the page tables of relocated requests, the observation-window
-    queries of prompts still being read, what each layer observed of a prompt
+    queries and the running attention column sums of prompts still being read, what each layer observed of a prompt
     for policies that budget across layers, what policies that evict in
     decode carry, OmniKV's offloaded requests and host pool, and counters
     for the metrics."""
@@ -67,6 +67,7 @@ class WorkerState:
     runner: Any = None
     requests: dict[str, RequestPages] = field(default_factory=dict)
     window_queries: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
+    column_sums: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
     carried: dict[str, CarriedState] = field(default_factory=dict)
     relocated_this_step: dict[str, bool] = field(default_factory=dict)  # req id -> the prompt completed
@@ -86,6 +87,7 @@ class WorkerState:
         self.runner = runner
         self.requests.clear()
         self.window_queries.clear()
+        self.column_sums.clear()
         self.observed.clear()
         self.carried.clear()
         self.offloaded.clear()
@@ -143,6 +145,25 @@ class WorkerState:
         earlier = self.window_queries.get(req_id, {}).pop(layer, [])
         return torch.cat([*earlier, last]).transpose(0, 1)
 
+    def add_column_sums(self, req_id: str, layer: int, sums: torch.Tensor) -> None:
+        """Add a summed chunk's column sums [q_heads, keys so far] to the prompt's running ones of a layer."""
+        layers = self.column_sums.setdefault(req_id, {})
+        earlier = layers.get(layer)
+        if earlier is not None:
+            sums = sums.clone()
+            sums[:, : earlier.shape[1]] += earlier
+        layers[layer] = sums
+
+    def take_column_sums(self, req_id: str, layer: int, length: int) -> torch.Tensor | None:
+        """A layer's running column sums of the prompt, zero-padded to ``length`` keys; None if no chunk was summed."""
+        layers = self.column_sums.get(req_id, {})
+        sums = layers.pop(layer, None)
+        if not layers:
+            self.column_sums.pop(req_id, None)
+        if sums is None:
+            return None
+        return torch.nn.functional.pad(sums, (0, length - sums.shape[1]))
+
     def observe(self, req_id: str, layer: int, kv_cache: torch.Tensor, observation: Any) -> dict:
         """Record a layer's cache and observation of a prompt; all layers so far, emptied once the last arrives."""
         observed = self.observed.setdefault(req_id, {})
@@ -155,6 +176,7 @@ class WorkerState:
         for req_id in req_ids or ():
             self.requests.pop(req_id, None)
             self.window_queries.pop(req_id, None)
+            self.column_sums.pop(req_id, None)
             self.observed.pop(req_id, None)
             self.carried.pop(req_id, None)
             offloaded = self.offloaded.pop(req_id, None)

@@ -84,6 +84,22 @@ class Relocation:
 
 
 @dataclass
+class SummedChunk:
+    """A prompt chunk of a request whose policy scores every prompt query's attention (H2O, D2O),
+    attended by kvpolicy's ops instead of the platform's: one QK^T gives both the chunk's output
+    and the column sums its queries add to the request's running sums (``WorkerState.add_column_sums``).
+
+    ``token_idx``: the chunk's query tokens in the batch (all prompt tokens, the prompt's last
+    positions so far); ``slots`` [kv_heads, seq_len]: one-head slots of every key so far, in
+    vLLM's blocks, this chunk's included.
+    """
+
+    req_id: str
+    token_idx: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass
 class WindowStash:
     """Window queries in a prompt chunk that is not the last one: kept until the prompt completes."""
 
@@ -134,12 +150,19 @@ class OffloadedBatch:
 
 @dataclass
 class RelocatingStep:
-    """A step of a relocating policy: ``stock`` is the other rows' own call (None when every row is stock)."""
+    """A step of a relocating policy: ``stock`` is the call of the rows the platform attends as usual
+    (None when every row is stock, no row per head or summed)."""
 
     stock: AttentionBatch | None = None
     per_head: PerHeadBatch | None = None
+    summed: list[SummedChunk] = field(default_factory=list)
     relocations: list[Relocation] = field(default_factory=list)
     window_stash: list[WindowStash] = field(default_factory=list)
+
+    @property
+    def platform_layout_tokens(self) -> torch.Tensor:
+        """Tokens whose K/V the platform's writer stores in vLLM's blocks: the stock rows and summed chunks."""
+        return torch.cat([self.stock.token_idx, *(chunk.token_idx for chunk in self.summed)])
 
 
 @dataclass

@@ -26,6 +26,7 @@ from kvpolicy.vllm.step import (
     RelocatingStep,
     Relocation,
     SelectingStep,
+    SummedChunk,
     Step,
     WindowStash,
 )
@@ -56,13 +57,18 @@ class HostBatch:
 class StepBuilder:
     """The step of a batch: which rows go per head, which relocate, which select; their calls' arguments."""
 
-    def __init__(self, *, num_layers: int, num_heads: int, num_kv_heads: int, block_size: int, max_model_len: int, plan: Planner):
+    def __init__(
+        self, *, num_layers: int, num_heads: int, num_kv_heads: int, block_size: int, max_model_len: int, plan: Planner,
+        sums_prompts: bool = False,
+    ):
+        """``sums_prompts``: the ops attend H2O/D2O prompt chunks themselves (``KVOps.prompt_attention``)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.queries_per_kv = num_heads // num_kv_heads
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.plan = plan
+        self.sums_prompts = sums_prompts
 
     def build(self, cam) -> Step | None:
         """``cam``: vLLM's ``CommonAttentionMetadata`` of the step. None: every row takes the stock path."""
@@ -76,7 +82,7 @@ class StepBuilder:
         runner = WORKER_STATE.runner
         num_reqs, qsl, block_table = batch.num_reqs, batch.query_start_loc, batch.block_table
         seq_lens = batch.seq_lens.numpy()
-        per_head_rows, relocations, stash = [], [], []
+        per_head_rows, relocations, stash, summed = [], [], [], []
         policy = WORKER_STATE.policy
         for row, req_id in enumerate(batch.req_ids):
             query_len = int(qsl[row + 1] - qsl[row])
@@ -108,6 +114,10 @@ class StepBuilder:
             if budget is None and policy.needs_budget:
                 continue  # short prompt: stays on the stock path
             window_idx = _window_tokens(int(qsl[row]), start, seq_len, prompt_len)
+            if self.sums_prompts and policy.needs_queries and window_idx.numel() == query_len:
+                # A chunk of prompt tokens only: attended with its column sums, no queries to keep.
+                summed.append(SummedChunk(req_id, window_idx, self._head_slots(block_table[row], seq_len)))
+                window_idx = window_idx[:0]
             reading = seq_len < request.num_tokens  # the prompt (after a preemption: prompt and output)
             if reading and not (policy.evicts_while_reading and seq_len > budget):
                 if window_idx.numel():
@@ -117,12 +127,21 @@ class StepBuilder:
             WORKER_STATE.requests[req_id] = pages
             chooses = seq_len if reading else prompt_len
             relocations.append(_relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, window_idx))
-        step = RelocatingStep(relocations=relocations, window_stash=stash)
+        step = RelocatingStep(relocations=relocations, window_stash=stash, summed=summed)
         if per_head_rows:
             step.per_head = self._per_head_batch(per_head_rows, qsl)
-            stock_rows = sorted(set(range(num_reqs)) - {row for row, _, _, _ in per_head_rows})
-            step.stock = self._stock_batch(stock_rows, batch)
+        if per_head_rows or summed:
+            summed_ids = {chunk.req_id for chunk in summed}
+            away = {row for row, _, _, _ in per_head_rows} | {r for r, i in enumerate(batch.req_ids) if i in summed_ids}
+            step.stock = self._stock_batch(sorted(set(range(num_reqs)) - away), batch)
         return step
+
+    def _head_slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """[kv_heads, length] one-head slots of a request's first ``length`` tokens in vLLM's blocks."""
+        positions = torch.arange(length)
+        pages = blocks[positions // self.block_size].long()[None, :] * self.num_kv_heads
+        pages = pages + torch.arange(self.num_kv_heads)[:, None]
+        return pages * self.block_size + positions % self.block_size
 
     @functools.cached_property
     def _source_layers(self) -> list[int | None]:

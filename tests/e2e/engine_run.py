@@ -50,17 +50,21 @@ class CapturingPolicy:
 
     def keep(self, prompt, budget):
         kept = self.policy.keep(prompt, budget)
-        if prompt.num_tokens == max(PROMPT_LENS) and prompt.layer in CAPTURED_LAYERS:
-            self.records.setdefault(prompt.layer, {
-                "keys": prompt.keys.clone(), "window_queries": prompt.window_queries.clone(),
-                "num_layers": prompt.num_layers, "budget": budget, "kept": [k.clone() for k in kept],
-            })
+        self._record(prompt, budget, kept)
         return kept
 
     def compress(self, prompt, budget, observation=None):
-        from kvpolicy.policies import CompressedKV
+        result = self.policy.compress(prompt, budget, observation)
+        self._record(prompt, budget, result.kept)
+        return result
 
-        return CompressedKV(self.keep(prompt, budget))
+    def _record(self, prompt, budget, kept):
+        if prompt.num_tokens == max(PROMPT_LENS) and prompt.layer in CAPTURED_LAYERS:
+            seen = {name: getattr(prompt, name) for name in ("window_queries", "column_sums")}
+            self.records.setdefault(prompt.layer, {
+                "keys": prompt.keys.clone(), **{k: v.clone() for k, v in seen.items() if v is not None},
+                "num_layers": prompt.num_layers, "budget": budget, "kept": [k.clone() for k in kept],
+            })
 
 
 def prompts(lengths=PROMPT_LENS, vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:

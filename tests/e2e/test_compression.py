@@ -66,6 +66,20 @@ def test_attention_policies_evict_in_decode_a_page_at_a_time(engine_run, policy)
         assert long_request["token_ids"][: len(short_request["token_ids"])] == short_request["token_ids"]
 
 
+def test_h2o_prompt_scores_add_up_over_chunks(engine_run):
+    """H2O's prompt scores come from kvpolicy's own prompt attention (one QK^T for the output and
+    the column sums), chunk by chunk: a 1,100-token prompt read in 256-token chunks gets the sums,
+    and keeps the tokens, it gets when read in one chunk. Each query's weights sum to one."""
+    flags = ("--policy", "h2o", "--budget", str(BUDGET), "--prompt-lens", "1100", "--capture")
+    chunked = torch.load(engine_run(*flags)["captured"])
+    whole = torch.load(engine_run(*flags, "--chunk", "2048")["captured"])
+    for layer in (0, 15, 29):
+        sums = chunked[layer]["column_sums"]
+        torch.testing.assert_close(sums, whole[layer]["column_sums"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sums.sum(dim=1), torch.full((sums.shape[0],), 1100.0, dtype=torch.float64))
+        assert [k.tolist() for k in chunked[layer]["kept"]] == [k.tolist() for k in whole[layer]["kept"]]
+
+
 @pytest.fixture(scope="module")
 def captured(engine_run):
     """What adasnap saw and kept in the engine, for the 1,100-token prompt at layers 0, 15 and 29."""

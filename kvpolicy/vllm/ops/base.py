@@ -16,11 +16,14 @@ from typing import Any
 
 import torch
 
-from kvpolicy.vllm.step import AttentionBatch
+from kvpolicy.vllm.step import AttentionBatch, SummedChunk
 
 
 class KVOps(ABC):
     """Attention over chosen pages, token moves, and the scores the policies need, on one platform."""
+
+    #: Whether ``prompt_attention`` is implemented: the step builder then sends H2O/D2O prompt chunks there.
+    sums_prompts = False
 
     @abstractmethod
     def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, kv_heads: int, queries_per_kv: int) -> Any:
@@ -56,6 +59,12 @@ class KVOps(ABC):
         """H2O/D2O's prompt scores from host tensors: ``kvpolicy.policies.h2o.attention_column_sums``
         of ``keys`` [kv_heads, n, D] and ``queries`` [q_heads, t, D]; None: the policy computes them."""
         return None
+
+    def prompt_attention(self, layer, query, out, cache, chunk: SummedChunk) -> torch.Tensor:
+        """Attend one request's prompt chunk (``query`` rows ``chunk.token_idx``, over the keys at
+        ``chunk.slots``) into ``out``, and return the column sums of those queries' attention,
+        [q_heads, keys so far] float64: one QK^T for both (the platform's attention returns no weights)."""
+        raise NotImplementedError(f"{type(self).__name__} does not attend summed prompt chunks")
 
     @abstractmethod
     def new_token_weights(self, layer, query, cache, batch: AttentionBatch, token_of, head_of) -> torch.Tensor:

@@ -97,6 +97,8 @@ class CPUOps(KVOps):
     metadata of each call needs (None on the attention side, which never plans).
     """
 
+    sums_prompts = True
+
     def __init__(self, impl=None, builder=None):
         self.impl = impl
         self.builder = builder
@@ -199,6 +201,16 @@ class CPUOps(KVOps):
 
     def prompt_column_sums(self, keys, queries):
         return kvpolicy_csrc.attention_column_sums(keys, queries, 1 / math.sqrt(keys.shape[-1]))
+
+    def prompt_attention(self, layer, query, out, cache, chunk):
+        heads, length = chunk.slots.shape
+        keys, values = self.gather(layer, cache, chunk.slots.reshape(-1))
+        queries = query[chunk.token_idx].transpose(0, 1)
+        attended, sums = kvpolicy_csrc.prompt_attention(
+            keys.view(heads, length, -1), values.view(heads, length, -1), queries, self.impl.scale
+        )
+        out[chunk.token_idx] = attended.transpose(0, 1).to(out.dtype)
+        return sums
 
     def new_token_weights(self, layer, query, cache, batch, token_of, head_of):
         """The fused kernel returns no weights: recompute them from the keys, read in place by the C++
