@@ -124,6 +124,30 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot_timings(path: Path, labels: list[str], series: list[tuple[str, list[float]]], xlabel: str, title=None) -> None:
+    """Horizontal bars, one group per label and one bar per (name, ms per label) series, log scale: the per-op
+    benchmarks' picture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.7 * len(labels) + 1.2))
+    width = 0.8 / len(series)
+    for k, (name, values) in enumerate(series):
+        offset = (k - (len(series) - 1) / 2) * width
+        ax.barh([i + offset for i in range(len(labels))], values, height=width, label=name)
+    ax.set_yticks(list(range(len(labels))), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    if title:
+        ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def write_results(out: Path, settings: dict, rows: list[dict], columns: list[str], plot, table=None) -> None:
     """The results contract: JSON (provenance, settings, runs), a markdown table and a plot beside it.
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvpolicy_triton as kt  # noqa: E402
-from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, plot_timings, write_results  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 GROUP, SCALE = Q_HEADS // KV_HEADS, 1 / math.sqrt(HEAD_SIZE)
@@ -253,24 +253,9 @@ CASES = [
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['kernel']}\n{r['shape']}" for r in rows]
-    y = range(len(rows))
-    fig, ax = plt.subplots(figsize=(9, 0.7 * len(rows) + 1.2))
-    ax.barh([i - 0.2 for i in y], [r["triton_ms"] for r in rows], height=0.4, label="kvpolicy Triton kernel")
-    ax.barh([i + 0.2 for i in y], [r["torch_ms"] for r in rows], height=0.4, label="torch baseline")
-    ax.set_yticks(list(y), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("ms per call (median, CUDA events), log scale")
-    ax.set_title(torch.cuda.get_device_name())
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = [("kvpolicy Triton kernel", [r["triton_ms"] for r in rows]), ("torch baseline", [r["torch_ms"] for r in rows])]
+    plot_timings(path, [f"{r['kernel']}\n{r['shape']}" for r in rows], series,
+                 "ms per call (median, CUDA events), log scale", torch.cuda.get_device_name())
 
 
 def main() -> int:

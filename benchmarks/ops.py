@@ -31,7 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvpolicy_csrc  # noqa: E402
-from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, plot_timings, write_results  # noqa: E402
 from kvpolicy.policies.h2o import attention_column_sums, new_token_attention  # noqa: E402
 from kvpolicy.policies.omnikv import context_scores  # noqa: E402
 from kvpolicy.vllm.ops.cpu import cpu_geometry, one_head_pages, page_layout  # noqa: E402
@@ -163,23 +163,8 @@ CASES = [
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['op']}\n{r['shape']}" for r in rows]
-    y = range(len(rows))
-    fig, ax = plt.subplots(figsize=(9, 0.7 * len(rows) + 1.2))
-    ax.barh([i + 0.2 for i in y], [r["torch_ms"] for r in rows], height=0.4, label="torch (before)")
-    ax.barh([i - 0.2 for i in y], [r["csrc_ms"] for r in rows], height=0.4, label="C++ csrc/ (after)")
-    ax.set_yticks(list(y), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("ms per call (median), log scale")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = [("C++ csrc/ (after)", [r["csrc_ms"] for r in rows]), ("torch (before)", [r["torch_ms"] for r in rows])]
+    plot_timings(path, [f"{r['op']}\n{r['shape']}" for r in rows], series, "ms per call (median), log scale")
 
 
 def main() -> int:

@@ -20,9 +20,10 @@ we chose:
   whole. A token that one-step eviction would drop may survive until the
   page fills and be judged again then.
 
-In the engine, the backend stashes every prompt query of each layer while
-the prompt is read (as it stashes the observation window for SnapKV) and
-compresses at prompt end. In decode the fused attention kernel returns no
+In the engine, the backend hands over the prompt's column sums (on CPU it
+attends each prompt chunk itself and sums its queries' weights from the same
+products) or, where it cannot, every prompt query of each layer, stashed
+while the prompt is read; it compresses at prompt end. In decode the fused attention kernel returns no
 weights, so the backend recomputes the new token's weights over the
 budget-sized cache it just attended (``new_token_attention``: one batched
 product per layer over every relocated request and head) and the builder
