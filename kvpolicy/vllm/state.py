@@ -57,10 +57,10 @@ class PageSpace:
 class WorkerState:
     """Per worker process: the policy, the model runner (to map batch rows to
     request ids), the page tables of relocated requests, the observation-window
-    queries and the running attention column sums of prompts still being read, what each layer observed of a prompt
-    for policies that budget across layers, what policies that evict in
-    decode carry, OmniKV's offloaded requests and host pool, and counters
-    for the metrics."""
+    queries and running attention column sums of prompts still being read,
+    what each layer observed of a prompt for policies that budget across
+    layers, what policies that evict in decode carry, OmniKV's offloaded
+    requests and host pool, and counters for the metrics."""
 
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
@@ -150,8 +150,7 @@ class WorkerState:
         layers = self.column_sums.setdefault(req_id, {})
         earlier = layers.get(layer)
         if earlier is not None:
-            sums = sums.clone()
-            sums[:, : earlier.shape[1]] += earlier
+            sums[:, : earlier.shape[1]] += earlier  # this chunk saw every earlier key, and its own
         layers[layer] = sums
 
     def take_column_sums(self, req_id: str, layer: int, length: int) -> torch.Tensor | None:
