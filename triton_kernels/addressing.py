@@ -1,7 +1,17 @@
-"""Triton side of PageGeometry, shared by the kernels here: the element offsets of K or V rows at slots."""
+"""Shared by the kernels here: the element offsets of K or V rows at slots (the Triton side of
+PageGeometry), and whether a kernel's ``tl.dot`` may take the cache's own dtype."""
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+
+def dot_in_cache_dtype(cache: torch.Tensor) -> bool:
+    """bf16/fp16 caches feed ``tl.dot`` in their dtype on a GPU; the interpreter computes half types as
+    integers, so under ``TRITON_INTERPRET=1`` (and for float32 caches) the kernels use float32."""
+    return cache.dtype in (torch.float16, torch.bfloat16) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit

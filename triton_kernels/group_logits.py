@@ -10,13 +10,11 @@ plain torch on the [sequences, G, keys] logits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .addressing import slot_offsets
+from .addressing import dot_in_cache_dtype, slot_offsets
 from .geometry import PageGeometry
 
 BLOCK_N = 128
@@ -80,7 +78,7 @@ def group_logits(
     out = torch.full((seqs, group, pages * geom.block_size), float("-inf"), dtype=torch.float32, device=query.device)
     if seqs == 0:
         return out
-    low_precision = cache.dtype in (torch.float16, torch.bfloat16) and os.environ.get("TRITON_INTERPRET") != "1"
+    low_precision = dot_in_cache_dtype(cache)
     _group_logits_kernel[(seqs, triton.cdiv(out.shape[2], BLOCK_N))](
         out, query, cache, token_of, head_of, page_table, lengths,
         out.stride(0), out.stride(1), *query.stride(), page_table.stride(0),

@@ -14,14 +14,13 @@ over ``splits`` programs whose partial softmax states one reduction merges
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .addressing import slot_offsets
+from .addressing import dot_in_cache_dtype, slot_offsets
 from .geometry import PageGeometry, flat
 
 
@@ -170,10 +169,6 @@ def _merge_splits_kernel(
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def paged_attention(
     query: torch.Tensor,
     out: torch.Tensor,
@@ -218,7 +213,7 @@ def paged_attention(
     if splits > 1:
         part_out = torch.empty(splits, rows, group_pad, head_pad, dtype=torch.float32, device=query.device)
         part_stats = torch.empty(splits, rows, group_pad, 2, dtype=torch.float32, device=query.device)
-    low_precision = cache.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+    low_precision = dot_in_cache_dtype(cache)
     _paged_attention_kernel[(seqs, q_tiles, splits)](
         query, out, cache, part_out, part_stats,
         token_of, head_of, query_start_loc, seq_lens, page_table,

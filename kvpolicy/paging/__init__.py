@@ -2,7 +2,7 @@
 
 from kvpolicy.paging.layout import PageLayout
 from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall
-from kvpolicy.paging.page_table import RequestPages, TokenMoves
+from kvpolicy.paging.page_table import RequestPages, TokenMoves, stock_slots
 
 __all__ = [
     "HostPagePool",
@@ -13,4 +13,5 @@ __all__ = [
     "RequestPages",
     "SparseCall",
     "TokenMoves",
+    "stock_slots",
 ]

@@ -18,6 +18,14 @@ import numpy as np
 import torch
 
 
+def stock_slots(blocks: torch.Tensor, num_heads: int, block_size: int, positions: torch.Tensor,
+                heads: torch.Tensor) -> torch.Tensor:
+    """[heads, positions] one-head slots of a request's tokens in vLLM's stock layout: token i of
+    head h in page ``blocks[i // block_size] * num_heads + h``."""
+    pages = blocks[torch.div(positions, block_size, rounding_mode="floor")].long()[None, :] * num_heads
+    return (pages + heads[:, None]) * block_size + positions % block_size
+
+
 @dataclass(frozen=True)
 class TokenMoves:
     """One layer's relocation: the token at ``src[i]`` moves to ``dst[i]``.
@@ -63,8 +71,7 @@ class RequestPages:
 
     def _stock_slots(self, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        pages = blocks[torch.div(positions, self.block_size, rounding_mode="floor")] * self.num_heads + head
-        return pages * self.block_size + positions % self.block_size
+        return stock_slots(blocks, self.num_heads, self.block_size, positions, torch.tensor([head])).view(-1)
 
     def _head_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         pages = torch.tensor(self.head_pages[layer][head], dtype=torch.int64)

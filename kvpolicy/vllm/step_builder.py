@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, stock_slots
 from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
@@ -116,7 +116,9 @@ class StepBuilder:
             window_idx = _window_tokens(int(qsl[row]), start, seq_len, prompt_len)
             if self.sums_prompts and policy.needs_queries and window_idx.numel() == query_len:
                 # A chunk of prompt tokens only: attended with its column sums, no queries to keep.
-                summed.append(SummedChunk(req_id, window_idx, self._head_slots(block_table[row], seq_len)))
+                heads = torch.arange(self.num_kv_heads)
+                slots = stock_slots(block_table[row], self.num_kv_heads, self.block_size, torch.arange(seq_len), heads)
+                summed.append(SummedChunk(req_id, window_idx, slots))
                 window_idx = window_idx[:0]
             reading = seq_len < request.num_tokens  # the prompt (after a preemption: prompt and output)
             if reading and not (policy.evicts_while_reading and seq_len > budget):
@@ -135,13 +137,6 @@ class StepBuilder:
             away = {row for row, _, _, _ in per_head_rows} | {r for r, i in enumerate(batch.req_ids) if i in summed_ids}
             step.stock = self._stock_batch(sorted(set(range(num_reqs)) - away), batch)
         return step
-
-    def _head_slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:
-        """[kv_heads, length] one-head slots of a request's first ``length`` tokens in vLLM's blocks."""
-        positions = torch.arange(length)
-        pages = blocks[positions // self.block_size].long()[None, :] * self.num_kv_heads
-        pages = pages + torch.arange(self.num_kv_heads)[:, None]
-        return pages * self.block_size + positions % self.block_size
 
     @functools.cached_property
     def _source_layers(self) -> list[int | None]:
