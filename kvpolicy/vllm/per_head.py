@@ -28,7 +28,7 @@ class PerHeadPath:
 
     def write(self, layer, layer_idx: int, key, value, kv_cache, per_head: PerHeadBatch) -> None:
         """The relocated rows' new K/V into their own pages (the stock rows are written by the platform)."""
-        self.ops.write(layer, kv_cache, key, value, per_head.token_of, per_head.head_of, per_head.slots[layer_idx])
+        self.ops.write(layer, kv_cache, key, value, per_head.rows, per_head.slots[layer_idx])
 
     def attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
         """Stock rows in vLLM's layout, relocated rows per head, summed prompt chunks with their
@@ -37,7 +37,7 @@ class PerHeadPath:
         per_head = step.per_head
         if per_head is not None:
             batch = per_head.layers[layer_idx]
-            self.ops.attend(layer, query, out, kv_cache, batch, per_head.token_of, per_head.head_of)
+            self.ops.attend(layer, query, out, kv_cache, batch, per_head.rows)
         for chunk in step.summed:
             sums = self.ops.prompt_attention(layer, query, out, kv_cache, chunk)
             WORKER_STATE.add_column_sums(chunk.req_id, layer_idx, sums)
@@ -57,7 +57,7 @@ class PerHeadPath:
             raise RuntimeError("policies that accumulate attention take one new token per request and step")
         batch = per_head.layers[layer_idx]
         heads = kv_cache.shape[1]
-        weights = self.ops.new_token_weights(layer, query, kv_cache, batch, per_head.token_of, per_head.head_of).cpu()
+        weights = self.ops.new_token_weights(layer, query, kv_cache, batch, per_head.rows).cpu()
         lengths = batch.seq_lens.long()
         for i, req_id in enumerate(per_head.req_ids):
             carried = WORKER_STATE.carried[req_id]

@@ -29,7 +29,7 @@ class SelectionPath:
         pages = WORKER_STATE.page_space().pages
         flush = offloaded.flushes[layer_idx]
         WORKER_STATE.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), WORKER_STATE.host.pages)
-        self.ops.write(layer, pages, key, value, offloaded.token_of, offloaded.head_of, offloaded.slots[layer_idx])
+        self.ops.write(layer, pages, key, value, offloaded.rows, offloaded.slots[layer_idx])
 
     def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SelectingStep, full_attention) -> None:
         """One layer of a selecting step; ``full_attention()`` is the platform's stock call over every row.
@@ -46,7 +46,7 @@ class SelectionPath:
             else:
                 self.ops.attend(layer, query, out, kv_cache, step.resident)
                 batch = offloaded.full[layer_idx]
-                self.ops.attend(layer, query, out, pages, batch, offloaded.token_of, offloaded.head_of)
+                self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
             if layer_idx in WORKER_STATE.policy.filter_layers:
                 if context is not None:
                     context.selected[layer_idx] = self._select(layer, query, kv_cache, context)
@@ -58,7 +58,7 @@ class SelectionPath:
                 self.ops.attend(layer, query, out, kv_cache, context.selected[source])
             if offloaded is not None:
                 batch = self._load_selection(pages, layer_idx, offloaded, offloaded.chosen[source])
-                self.ops.attend(layer, query, out, pages, batch, offloaded.token_of, offloaded.head_of)
+                self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
         if step.offloads and layer_idx == len(step.sources) - 1:
             _offload(pages, step.offloads)
 
@@ -101,7 +101,7 @@ class SelectionPath:
         calls = [request.sparse_call(layer_idx, rows_pages.tolist()) for request, rows_pages in zip(offloaded.requests, chosen)]
         loads = PageCopies.cat([call.loads for call in calls])
         WORKER_STATE.counters["loaded_kv_pages"] += loads.apply(WORKER_STATE.host.pages, pages.flatten(1))
-        heads = len(offloaded.token_of) // len(calls)
+        heads = len(offloaded.rows.token_of) // len(calls)
         table = padded_table([pages for call in calls for pages in call.table])
         seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
         query_start_loc = torch.arange(len(calls) * heads + 1, dtype=torch.int32)

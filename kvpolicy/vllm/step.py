@@ -9,6 +9,7 @@ which the ops that will run the call prepared for it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,20 +42,33 @@ class AttentionBatch:
     plan: Any
 
 
+@dataclass(frozen=True)
+class HeadRows:
+    """Virtual tokens of one-head sequences: virtual token ``i`` is KV head ``head_of[i]`` of batch
+    token ``token_of[i]``.
+
+    ``whole_batch``: they are every (token, head) of the batch's first ``len(token_of) // H`` tokens
+    in token-major order (a decode step whose every row goes per head), so a per-token tensor
+    ``[T, H, ...]`` is already in virtual order: the CPU ops then read and write it without a gather.
+    """
+
+    token_of: torch.Tensor
+    head_of: torch.Tensor
+    whole_batch: bool = False
+
+
 @dataclass
 class PerHeadBatch:
     """The relocated requests of a step as ``H`` virtual one-head sequences each.
 
-    Virtual token ``i`` is query token ``token_of[i]`` of the batch, KV head
-    ``head_of[i]``; tokens are ordered by (request, head, position), so each
+    Virtual tokens (``rows``) are ordered by (request, head, position), so each
     virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
     attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
     virtual-token order). ``req_ids``: the relocated requests, in order.
     """
 
     token_idx: torch.Tensor
-    token_of: torch.Tensor
-    head_of: torch.Tensor
+    rows: HeadRows
     layers: list[AttentionBatch]
     slots: torch.Tensor
     req_ids: list[str]
@@ -130,15 +144,13 @@ class OffloadedBatch:
     """OmniKV's decode rows whose sparse layers live in the host pool: ``H`` one-head virtual
     sequences per row over vLLM's whole KV buffer (``WorkerState.page_space``), in every layer.
 
-    Virtual token ``i`` is query token ``token_of[i]``, KV head ``head_of[i]`` (ordered row, head).
-    ``slots[l]``: where layer ``l`` writes the new K/V; ``flushes[l]``: full tail pages it copies
+    Virtual tokens (``rows``) are ordered (row, head). ``slots[l]``: where layer ``l`` writes the new K/V; ``flushes[l]``: full tail pages it copies
     to the host first. ``full[l]``: a full-attention layer's call. ``chosen`` fills as filter
     layers select: filter layer -> per row, the page indices its sparse layers read.
     """
 
     token_idx: torch.Tensor
-    token_of: torch.Tensor
-    head_of: torch.Tensor
+    rows: HeadRows
     requests: list[OffloadedRequest]
     budgets: list[int]
     slots: torch.Tensor
@@ -159,9 +171,10 @@ class RelocatingStep:
     relocations: list[Relocation] = field(default_factory=list)
     window_stash: list[WindowStash] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def platform_layout_tokens(self) -> torch.Tensor:
-        """Tokens whose K/V the platform's writer stores in vLLM's blocks: the stock rows and summed chunks."""
+        """Tokens whose K/V the platform's writer stores in vLLM's blocks: the stock rows and summed chunks
+        (asked by every layer, after the builder has finished the step)."""
         return torch.cat([self.stock.token_idx, *(chunk.token_idx for chunk in self.summed)])
 
 

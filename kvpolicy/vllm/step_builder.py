@@ -22,6 +22,7 @@ from kvpolicy.vllm.step import (
     ContextSelection,
     OffloadedBatch,
     PerHeadBatch,
+    HeadRows,
     Planner,
     RelocatingStep,
     Relocation,
@@ -82,7 +83,7 @@ class StepBuilder:
         runner = WORKER_STATE.runner
         num_reqs, qsl, block_table = batch.num_reqs, batch.query_start_loc, batch.block_table
         seq_lens = batch.seq_lens.numpy()
-        per_head_rows, relocations, stash, summed = [], [], [], []
+        per_head_rows, relocations, stash, summed, summed_rows = [], [], [], [], []
         policy = WORKER_STATE.policy
         for row, req_id in enumerate(batch.req_ids):
             query_len = int(qsl[row + 1] - qsl[row])
@@ -119,6 +120,7 @@ class StepBuilder:
                 heads = torch.arange(self.num_kv_heads)
                 slots = stock_slots(block_table[row], self.num_kv_heads, self.block_size, torch.arange(seq_len), heads)
                 summed.append(SummedChunk(req_id, window_idx, slots))
+                summed_rows.append(row)
                 window_idx = window_idx[:0]
             reading = seq_len < request.num_tokens  # the prompt (after a preemption: prompt and output)
             if reading and not (policy.evicts_while_reading and seq_len > budget):
@@ -133,8 +135,7 @@ class StepBuilder:
         if per_head_rows:
             step.per_head = self._per_head_batch(per_head_rows, qsl)
         if per_head_rows or summed:
-            summed_ids = {chunk.req_id for chunk in summed}
-            away = {row for row, _, _, _ in per_head_rows} | {r for r, i in enumerate(batch.req_ids) if i in summed_ids}
+            away = {row for row, _, _, _ in per_head_rows} | set(summed_rows)
             step.stock = self._stock_batch(sorted(set(range(num_reqs)) - away), batch)
         return step
 
@@ -246,8 +247,9 @@ class StepBuilder:
                 )
         return OffloadedBatch(
             token_idx=token_idx,
-            token_of=token_idx.repeat_interleave(heads),
-            head_of=torch.arange(heads).repeat(len(rows)),
+            rows=HeadRows(
+                token_idx.repeat_interleave(heads), torch.arange(heads).repeat(len(rows)), len(rows) == int(qsl[-1])
+            ),
             requests=requests,
             budgets=[budget for _, _, budget in rows],
             slots=torch.stack(slots, dim=1).reshape(self.num_layers, -1),
@@ -277,20 +279,22 @@ class StepBuilder:
         query_lens = torch.tensor([query_len for _, _, _, query_len in rows]).repeat_interleave(heads)
         query_start_loc = torch.zeros(query_lens.numel() + 1, dtype=torch.int32)
         query_start_loc[1:] = query_lens.cumsum(0)
-        lengths = np.stack([pages.lengths for _, _, pages, _ in rows], axis=1)
+        lengths = np.stack([pages.lengths for _, _, pages, _ in rows], axis=1).reshape(self.num_layers, -1)
+        lengths = lengths.astype(np.int32)
+        all_seq_lens = torch.from_numpy(lengths)
         width = max(pages.max_pages() for _, _, pages, _ in rows)
         tables = torch.from_numpy(np.concatenate([pages.page_table(width) for _, _, pages, _ in rows], axis=1))
         layers, by_lengths = [], {}
         for layer in range(self.num_layers):
-            seq_lens = torch.from_numpy(lengths[layer].reshape(-1).astype(np.int32))
-            key = seq_lens.numpy().tobytes()  # a one-head plan depends on lengths only (``Planner``)
+            seq_lens = all_seq_lens[layer]
+            key = lengths[layer].tobytes()  # a one-head plan depends on lengths only (``Planner``)
             if key not in by_lengths:
                 by_lengths[key] = self._heads_plan(query_start_loc, seq_lens, tables[layer])
             layers.append(AttentionBatch(token_idx, query_start_loc, seq_lens, tables[layer], 1, by_lengths[key]))
+        whole_batch = token_idx.numel() == len(rows) == int(qsl[-1])  # one token per row, every row
         return PerHeadBatch(
             token_idx,
-            torch.cat(token_of),
-            torch.cat(head_of),
+            HeadRows(torch.cat(token_of), torch.cat(head_of), whole_batch),
             layers,
             torch.from_numpy(np.concatenate(slots, axis=1)),
             [req_id for _, req_id, _, _ in rows],

@@ -29,3 +29,21 @@ def test_gather_and_page_keys_read_what_reshape_and_cache_wrote(dtype, head_size
     whole = layout.page_keys(cache, pages)
     assert whole.shape == (2, 2 * block_size, head_size)
     assert torch.equal(whole, layout.gather(cache.view(blocks * heads, -1), every.reshape(-1))[0].view(2, -1, head_size))
+
+
+@pytest.mark.parametrize("row_shape", [(1, 16), (3, 16)])
+def test_a_whole_batch_reads_the_same_rows_as_its_gather(row_shape):
+    """``HeadRows.whole_batch`` (a reshape, no gather) reads exactly what the gather by (token, head) reads."""
+    from kvpolicy.vllm.ops.cpu import by_head
+    from kvpolicy.vllm.step import HeadRows
+
+    tokens, heads, padded = 4, 3, 6  # vLLM may pad the batch past its tokens
+    width = heads * row_shape[0] * row_shape[1]
+    fused = torch.randn(padded, 2 * width + 5)  # a strided slice, like q/k/v split from one qkv tensor
+    per_token = fused[:, 5 : 5 + width]
+    token_of = torch.arange(tokens).repeat_interleave(heads)
+    head_of = torch.arange(heads).repeat(tokens)
+    gathered = by_head(per_token, HeadRows(token_of, head_of), heads, row_shape)
+    whole = by_head(per_token, HeadRows(token_of, head_of, whole_batch=True), heads, row_shape)
+    assert whole.shape == (tokens * heads, *row_shape)
+    assert torch.equal(whole, gathered)

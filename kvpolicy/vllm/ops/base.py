@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy.vllm.step import AttentionBatch, SummedChunk
+from kvpolicy.vllm.step import AttentionBatch, HeadRows, SummedChunk
 
 
 class KVOps(ABC):
@@ -30,16 +30,16 @@ class KVOps(ABC):
         """Prepare one attention call (``step.Planner``); the result travels in ``AttentionBatch.plan``."""
 
     @abstractmethod
-    def write(self, layer, cache, key, value, token_of, head_of, slots) -> None:
-        """Write K/V of KV head ``head_of[i]`` of batch token ``token_of[i]`` at ``slots[i]``; key, value [T, H, D]."""
+    def write(self, layer, cache, key, value, rows: HeadRows, slots) -> None:
+        """Write K/V of virtual token ``i`` of ``rows`` at ``slots[i]``; key, value [T, H, D]."""
 
     @abstractmethod
-    def attend(self, layer, query, out, cache, batch: AttentionBatch, token_of=None, head_of=None) -> None:
+    def attend(self, layer, query, out, cache, batch: AttentionBatch, rows: HeadRows | None = None) -> None:
         """Causal attention of one call, written into ``out`` [T, q_heads, D] at the call's queries only.
 
-        ``batch.kv_heads > 1``: rows of vLLM's own layout (``token_of`` None).
+        ``batch.kv_heads > 1``: rows of vLLM's own layout (``rows`` None).
         ``batch.kv_heads == 1``: one-head virtual sequences; virtual token ``i`` is
-        the query heads of KV head ``head_of[i]`` of batch token ``token_of[i]``.
+        the query heads of KV head ``rows.head_of[i]`` of batch token ``rows.token_of[i]``.
         """
 
     @abstractmethod
@@ -67,7 +67,7 @@ class KVOps(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not attend summed prompt chunks")
 
     @abstractmethod
-    def new_token_weights(self, layer, query, cache, batch: AttentionBatch, token_of, head_of) -> torch.Tensor:
+    def new_token_weights(self, layer, query, cache, batch: AttentionBatch, rows: HeadRows) -> torch.Tensor:
         """Per one-head sequence of a decode call, its new token's attention weights over the
         sequence (its query heads averaged), [sequences, n] float64, 0 past each length."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +22,7 @@ from kvpolicy.policies.h2o import new_token_attention
 from kvpolicy.policies.omnikv import context_scores
 from kvpolicy.vllm.internals import envs, ops
 from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.step import AttentionBatch
+from kvpolicy.vllm.step import AttentionBatch, HeadRows
 from kvpolicy_triton.geometry import PageGeometry
 
 try:
@@ -45,6 +46,17 @@ def split_kv(cache: torch.Tensor):
     """K and V halves of a cache [blocks, heads, block_size, 2*head_size], as the CPU ops take them."""
     num_blocks, num_kv_heads, block_size, width = cache.shape
     return cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+
+
+def by_head(tensor: torch.Tensor, rows: HeadRows, kv_heads: int, row_shape: tuple[int, ...]) -> torch.Tensor:
+    """A per-token tensor [T, kv_heads * prod(row_shape)] as per-virtual-token rows [n, *row_shape].
+
+    A whole batch's rows need no gather: a view of ``tensor`` where its strides allow, else one copy.
+    """
+    if rows.whole_batch:
+        count = rows.token_of.numel()
+        return tensor[: count // kv_heads].reshape(count, *row_shape)
+    return tensor.reshape(-1, kv_heads, *row_shape)[rows.token_of, rows.head_of]
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +102,25 @@ def _log_torch_path(isa: str) -> None:
                    "token moves and scores take the slower torch path", isa)
 
 
+@dataclass(frozen=True)
+class CacheViews:
+    """What the CPU kernels take of one cache tensor: its K/V halves, as vLLM's blocks and as one-head
+    pages, and the C++ ops' geometry (None: not affine). Made once per tensor, since a layer passes
+    the same cache every step and these views cost more than a decode step's write."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    one_head: torch.Tensor
+    one_head_key: torch.Tensor
+    one_head_value: torch.Tensor
+    geometry: PageGeometry | None
+
+    @classmethod
+    def of(cls, layer, cache: torch.Tensor) -> "CacheViews":
+        one_head = one_head_pages(cache)
+        return cls(*split_kv(cache), one_head, *split_kv(one_head), cpu_geometry(cache_layout(layer, cache), cache))
+
+
 class CPUOps(KVOps):
     """vLLM's CPU attention (``impl``'s settings: scale, sinks, soft cap, ...) and cache writer.
 
@@ -102,6 +133,15 @@ class CPUOps(KVOps):
     def __init__(self, impl=None, builder=None):
         self.impl = impl
         self.builder = builder
+        self._views: dict[int, tuple[torch.Tensor, CacheViews]] = {}
+
+    def views(self, layer, cache: torch.Tensor) -> CacheViews:
+        """``cache``'s views, from the first call with this tensor (held here, so its id stays its own)."""
+        held = self._views.get(id(cache))
+        if held is None or held[0] is not cache:
+            held = cache, CacheViews.of(layer, cache)
+            self._views[id(cache)] = held
+        return held[1]
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         b = self.builder
@@ -120,15 +160,15 @@ class CPUOps(KVOps):
             kv_cache_dtype=b.kv_cache_dtype,
         )
 
-    def write(self, layer, cache, key, value, token_of, head_of, slots):
+    def write(self, layer, cache, key, value, rows, slots):
         impl = self.impl
-        heads = impl.num_kv_heads
-        key_cache, value_cache = split_kv(one_head_pages(cache))
+        row_shape = (1, impl.head_size)
+        views = self.views(layer, cache)
         ops.cpu_attn_reshape_and_cache(
-            key.reshape(-1, heads, impl.head_size)[token_of, head_of].unsqueeze(1),
-            value.reshape(-1, heads, impl.head_size)[token_of, head_of].unsqueeze(1),
-            key_cache,
-            value_cache,
+            by_head(key, rows, impl.num_kv_heads, row_shape),
+            by_head(value, rows, impl.num_kv_heads, row_shape),
+            views.one_head_key,
+            views.one_head_value,
             slots,
             layer.isa,
             k_scale=layer._k_scale_float,
@@ -136,9 +176,8 @@ class CPUOps(KVOps):
             kv_cache_dtype=impl.kv_cache_dtype,
         )
 
-    def _call(self, layer, query, output, cache, batch: AttentionBatch) -> None:
+    def _call(self, layer, query, output, key_cache, value_cache, batch: AttentionBatch) -> None:
         impl = self.impl
-        key_cache, value_cache = split_kv(cache)
         ops.cpu_attention_with_kv_cache(
             query=query,
             key_cache=key_cache,
@@ -159,22 +198,28 @@ class CPUOps(KVOps):
             kv_cache_dtype=impl.kv_cache_dtype,
         )
 
-    def attend(self, layer, query, out, cache, batch, token_of=None, head_of=None):
+    def attend(self, layer, query, out, cache, batch, rows=None):
         if batch.kv_heads > 1:
             if batch.token_idx.numel():
+                views = self.views(layer, cache)
                 rows_out = torch.empty_like(query[batch.token_idx])
-                self._call(layer, query[batch.token_idx], rows_out, cache, batch)
+                self._call(layer, query[batch.token_idx], rows_out, views.key, views.value, batch)
                 out[batch.token_idx] = rows_out
             return
         impl = self.impl
-        by_kv_head = (-1, impl.num_kv_heads, impl.num_queries_per_kv, impl.head_size)
-        head_query = query.view(by_kv_head)[token_of, head_of]
+        views = self.views(layer, cache)
+        row_shape = (impl.num_queries_per_kv, impl.head_size)
+        head_query = by_head(query, rows, impl.num_kv_heads, row_shape)
+        head_cache = views.one_head_key, views.one_head_value
+        if rows.whole_batch:  # the kernel writes ``out`` in place
+            self._call(layer, head_query, out[: batch.token_idx.numel()].view(-1, *row_shape), *head_cache, batch)
+            return
         head_out = torch.empty_like(head_query)
-        self._call(layer, head_query, head_out, one_head_pages(cache), batch)
-        out.view(by_kv_head)[token_of, head_of] = head_out
+        self._call(layer, head_query, head_out, *head_cache, batch)
+        out.view(-1, impl.num_kv_heads, *row_shape)[rows.token_of, rows.head_of] = head_out
 
     def _geometry(self, layer, cache) -> PageGeometry | None:
-        geometry = cpu_geometry(cache_layout(layer, cache), cache)
+        geometry = self.views(layer, cache).geometry
         if geometry is None:
             _log_torch_path(layer.isa)
         return geometry
@@ -183,14 +228,14 @@ class CPUOps(KVOps):
         geometry = self._geometry(layer, cache)
         if geometry is not None:
             return kvpolicy_csrc.gather_tokens(cache, geometry, slots)
-        return cache_layout(layer, cache).gather(one_head_pages(cache).view(-1), slots)
+        return cache_layout(layer, cache).gather(self.views(layer, cache).one_head.view(-1), slots)
 
     def scatter(self, layer, cache, slots, keys, values):
         geometry = self._geometry(layer, cache)
         if geometry is not None:
             kvpolicy_csrc.scatter_tokens(cache, geometry, slots, keys, values)
             return
-        cache_layout(layer, cache).scatter(one_head_pages(cache).view(-1), slots, keys, values)
+        cache_layout(layer, cache).scatter(self.views(layer, cache).one_head.view(-1), slots, keys, values)
 
     def move(self, layer, cache, src, dst):
         geometry = self._geometry(layer, cache)
@@ -212,25 +257,25 @@ class CPUOps(KVOps):
         out[chunk.token_idx] = attended.transpose(0, 1).to(out.dtype)
         return sums
 
-    def new_token_weights(self, layer, query, cache, batch, token_of, head_of):
+    def new_token_weights(self, layer, query, cache, batch, rows):
         """The fused kernel returns no weights: recompute them from the keys, read in place by the C++
         op (else from a strided view of one copy of each page's K part, in one batched product)."""
         impl = self.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
-            args = (token_of, head_of, batch.block_table, batch.seq_lens, impl.scale, impl.num_kv_heads)
+            args = (rows.token_of, rows.head_of, batch.block_table, batch.seq_lens, impl.scale, impl.num_kv_heads)
             return kvpolicy_csrc.new_token_weights(query, cache, geometry, *args).double()
         lengths = batch.seq_lens.long()
         table = batch.block_table.long()[:, : -(-int(lengths.max()) // cache.shape[2])]
-        keys = cache_layout(layer, cache).page_keys(one_head_pages(cache), table)
-        by_kv_head = (-1, impl.num_kv_heads, impl.num_queries_per_kv, impl.head_size)
-        return new_token_attention(keys, lengths, query.view(by_kv_head)[token_of, head_of])
+        keys = cache_layout(layer, cache).page_keys(self.views(layer, cache).one_head, table)
+        row_shape = (impl.num_queries_per_kv, impl.head_size)
+        return new_token_attention(keys, lengths, by_head(query, rows, impl.num_kv_heads, row_shape))
 
     def context_scores(self, layer, query, cache, page_ids, token_idx, lengths):
         impl = self.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
             return kvpolicy_csrc.context_token_scores(query, cache, geometry, token_idx, page_ids, lengths, impl.scale).double()
-        keys = cache_layout(layer, cache).page_key_blocks(one_head_pages(cache), page_ids)
+        keys = cache_layout(layer, cache).page_key_blocks(self.views(layer, cache).one_head, page_ids)
         queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
         return context_scores(queries, keys, lengths)

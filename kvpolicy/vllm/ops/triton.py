@@ -25,7 +25,7 @@ from kvpolicy_triton import (
     write_slots,
 )
 from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.step import AttentionBatch
+from kvpolicy.vllm.step import AttentionBatch, HeadRows
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,11 @@ class TritonOps(KVOps):
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         return plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)
 
-    def write(self, layer, cache, key, value, token_of, head_of, slots):
-        write_slots(cache, cache_geometry(layer, cache), key, value, *_on(cache.device, token_of, head_of, slots))
+    def write(self, layer, cache, key, value, rows: HeadRows, slots):
+        indices = _on(cache.device, rows.token_of, rows.head_of, slots)
+        write_slots(cache, cache_geometry(layer, cache), key, value, *indices)
 
-    def attend(self, layer, query, out, cache, batch: AttentionBatch, token_of=None, head_of=None):
+    def attend(self, layer, query, out, cache, batch: AttentionBatch, rows: HeadRows | None = None):
         virtual: VirtualSequences = batch.plan
         qsl, seq_lens, table = batch.query_start_loc, batch.seq_lens, batch.block_table
         if batch.kv_heads > 1:
@@ -125,6 +126,8 @@ class TritonOps(KVOps):
                 return
             token_of, head_of = batch.token_idx[virtual.local_token], virtual.head_of
             qsl, seq_lens, table = virtual.query_start_loc, virtual.seq_lens, virtual.page_table
+        else:
+            token_of, head_of = rows.token_of, rows.head_of
         indices = _on(cache.device, token_of, head_of, qsl, seq_lens, table)
         paged_attention(query, out, cache, cache_geometry(layer, cache), *indices, self.impl.scale,
                         self.impl.num_kv_heads, virtual.max_query_len, int(seq_lens.max()))
@@ -138,8 +141,8 @@ class TritonOps(KVOps):
     def move(self, layer, cache, src, dst):
         move_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, src, dst))
 
-    def new_token_weights(self, layer, query, cache, batch, token_of, head_of):
-        indices = _on(cache.device, token_of, head_of, batch.block_table, batch.seq_lens)
+    def new_token_weights(self, layer, query, cache, batch, rows: HeadRows):
+        indices = _on(cache.device, rows.token_of, rows.head_of, batch.block_table, batch.seq_lens)
         geometry = cache_geometry(layer, cache)
         return new_token_weights(query, cache, geometry, *indices, self.impl.scale, self.impl.num_kv_heads).double()
 
