@@ -55,10 +55,9 @@ class Case:
     prompt_len: int
 
 
-PRESETS = {
-    "quick": {"cases": [Case(2, 3000)], "rounds": 4},
-    "full": {"cases": [Case(2, 3000), Case(8, 1000)], "rounds": 4},
-}
+PRESETS = {"quick": [Case(2, 3000)], "full": [Case(2, 3000), Case(8, 1000)]}
+ROUNDS = 4
+BLOCK_SIZE = 128
 
 
 def decode_round(engine, prompts, extra_args, tag: str) -> tuple[list[float], list[list[int]]]:
@@ -72,17 +71,15 @@ def decode_round(engine, prompts, extra_args, tag: str) -> tuple[list[float], li
         engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params)
     tokens = {req_id: [] for req_id in ids}
 
-    def step() -> None:
+    def step() -> float:
+        start = time.perf_counter()
         for output in engine.step():
             tokens[output.request_id] = list(output.outputs[0].token_ids)
+        return time.perf_counter() - start
 
     while not all(tokens.values()):
         step()
-    times = []
-    for _ in range(STEPS):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+    times = [step() for _ in range(STEPS)]
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -98,7 +95,8 @@ def run_case(llm, case: Case, rounds: int, progress) -> list[dict]:
     for round_idx in range(rounds):
         order = list(MODES) if round_idx % 2 == 0 else list(reversed(MODES))
         for mode in order:
-            times, tokens = decode_round(engine, prompts, MODES[mode], f"{case.requests}x{case.prompt_len}-{round_idx}-{mode}")
+            tag = f"{case.requests}x{case.prompt_len}-{round_idx}-{mode}"
+            times, tokens = decode_round(engine, prompts, MODES[mode], tag)
             steps[mode] += times
             medians[mode].append(statistics.median(times))
             answers.setdefault(mode, tokens)
@@ -132,22 +130,19 @@ def _decile(times: list[float]) -> float:
 def plot(rows: list[dict], path: Path) -> None:
     cases = sorted({(r["requests"], r["prompt_len"]) for r in rows})
     labels = [f"{n} x {length} tokens" for n, length in cases]
-    series = [
-        (mode, [next(r["ms_per_step"] for r in rows if (r["requests"], r["prompt_len"]) == case and r["mode"] == mode) for case in cases])
-        for mode in MODES
-    ]
+    ms = {(r["requests"], r["prompt_len"], r["mode"]): r["ms_per_step"] for r in rows}
+    series = [(mode, [ms[(*case, mode)] for case in cases]) for mode in MODES]
     plot_timings(path, labels, series, "decode ms per step (median)", "identity vs vLLM's stock path, one engine")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 requests of 3,000 tokens only")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per case (default 4)")
+    parser.add_argument("--rounds", type=int, default=None, help=f"alternating rounds per case (default {ROUNDS})")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "overhead.json")
     args = parser.parse_args()
-    preset = PRESETS["quick" if args.quick else "full"]
-    rounds = args.rounds or preset["rounds"]
-    cases = preset["cases"]
+    rounds = args.rounds or ROUNDS
+    cases = PRESETS["quick" if args.quick else "full"]
 
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
     import kvpolicy.vllm  # noqa: F401
@@ -159,14 +154,14 @@ def main() -> int:
     longest = max(case.prompt_len for case in cases)
     llm = LLM(
         str(prepare()), dtype="float32", enforce_eager=True, max_model_len=longest + STEPS + 64,
-        enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30, block_size=128,
+        enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30, block_size=BLOCK_SIZE,
         max_num_seqs=max(case.requests for case in cases), seed=0, kv_policy="identity",
     )
     rows = []
     with tqdm(total=len(cases) * rounds * len(MODES), desc="decode rounds", unit="round") as progress:
         for case in cases:
             rows += run_case(llm, case, rounds, progress)
-    settings = {"steps": STEPS, "rounds": rounds, "cases": [asdict(case) for case in cases], "block_size": 128,
+    settings = {"steps": STEPS, "rounds": rounds, "cases": [asdict(case) for case in cases], "block_size": BLOCK_SIZE,
                 "dtype": "float32"}
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0

@@ -144,9 +144,10 @@ class OffloadedBatch:
     """OmniKV's decode rows whose sparse layers live in the host pool: ``H`` one-head virtual
     sequences per row over vLLM's whole KV buffer (``WorkerState.page_space``), in every layer.
 
-    Virtual tokens (``rows``) are ordered (row, head). ``slots[l]``: where layer ``l`` writes the new K/V; ``flushes[l]``: full tail pages it copies
-    to the host first. ``full[l]``: a full-attention layer's call. ``chosen`` fills as filter
-    layers select: filter layer -> per row, the page indices its sparse layers read.
+    Virtual tokens (``rows``) are ordered (row, head). ``slots[l]``: where layer ``l`` writes the
+    new K/V; ``flushes[l]``: full tail pages it copies to the host first. ``full[l]``: a
+    full-attention layer's call. ``chosen`` fills as filter layers select: filter layer -> per
+    row, the page indices its sparse layers read.
     """
 
     token_idx: torch.Tensor

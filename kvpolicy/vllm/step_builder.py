@@ -20,9 +20,9 @@ from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
     AttentionBatch,
     ContextSelection,
+    HeadRows,
     OffloadedBatch,
     PerHeadBatch,
-    HeadRows,
     Planner,
     RelocatingStep,
     Relocation,

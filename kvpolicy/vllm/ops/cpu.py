@@ -136,11 +136,10 @@ class CPUOps(KVOps):
         self._views: dict[int, tuple[torch.Tensor, CacheViews]] = {}
 
     def views(self, layer, cache: torch.Tensor) -> CacheViews:
-        """``cache``'s views, from the first call with this tensor (held here, so its id stays its own)."""
+        """``cache``'s views, from the first call with this tensor (held here, so no other tensor takes its id)."""
         held = self._views.get(id(cache))
-        if held is None or held[0] is not cache:
-            held = cache, CacheViews.of(layer, cache)
-            self._views[id(cache)] = held
+        if held is None:
+            held = self._views[id(cache)] = cache, CacheViews.of(layer, cache)
         return held[1]
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
