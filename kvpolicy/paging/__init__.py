@@ -3,6 +3,7 @@
 from kvpolicy.paging.layout import PageLayout
 from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall
 from kvpolicy.paging.page_table import RequestPages, TokenMoves, stock_slots
+from kvpolicy.paging.shared import SharedLayoutPlan, SharedPages, ValuePairs
 
 __all__ = [
     "HostPagePool",
@@ -11,7 +12,10 @@ __all__ = [
     "PageCopies",
     "PageLayout",
     "RequestPages",
+    "SharedLayoutPlan",
+    "SharedPages",
     "SparseCall",
     "TokenMoves",
+    "ValuePairs",
     "stock_slots",
 ]

@@ -1,0 +1,174 @@
+"""Pages of a request whose layers keep different amounts (PoD), laid out over every layer's pages at once.
+
+A vLLM block spans every layer, so a layer that keeps less frees nothing
+unless its pages can serve other layers: page ids here are global over
+vLLM's one KV buffer (layer ``l``, block ``b``, head ``h`` is page
+``layer_base[l] + b*H + h``, as in ``offload.py``), and any page of a block
+the request keeps may hold any (layer, head).
+
+Each (layer, head) has a *main* sequence of K/V tokens: every token in a
+layer that keeps distant keys, the proximal ones (sinks, recent window,
+generated tokens) elsewhere. A layer that shares the distant tokens' scores
+keeps their values only, two per slot: distant value ``2j`` in slot ``j``'s
+K half, ``2j + 1`` in its V half (``ValuePairs``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpolicy.paging.page_table import TokenMoves
+
+
+@dataclass(frozen=True)
+class ValuePairs:
+    """Distant values to pack: the V of slot ``even[i]`` goes to the K half of ``dst[i]``, of ``odd[i]``
+    to its V half (``odd[i] == even[i]`` pads an odd count; that half is never read)."""
+
+    even: torch.Tensor
+    odd: torch.Tensor
+    dst: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SharedLayoutPlan:
+    """The moves that lay a request read in vLLM's stock layout out as ``SharedPages`` (read all, then write)."""
+
+    tokens: TokenMoves
+    values: ValuePairs
+    keep_blocks: int
+
+
+class SharedPages:
+    """Where each (layer, kv head) of one PoD request lives: main K/V pages and packed distant values."""
+
+    def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int],
+                 keeps_distant_keys: np.ndarray):
+        """``keeps_distant_keys`` [layers, heads]: the (layer, head) pairs that are the lowest of their block."""
+        self.layer_base = list(layer_base)
+        self.num_layers = len(self.layer_base)
+        self.num_heads = num_heads
+        self.block_size = block_size
+        self.keeps_keys = np.asarray(keeps_distant_keys, dtype=bool)
+        self.blocks: list[int | None] = [int(b) for b in blocks]
+        self.lengths = np.zeros((self.num_layers, num_heads), dtype=np.int64)
+        self.main: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(self.num_layers)]
+        self.values: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(self.num_layers)]
+        self.distant = (0, 0)  # [start, end) of the distant positions, fixed at layout
+        self.free: list[int] = []
+        self.keep = len(self.blocks)
+
+    def _page(self, layer: int, block: int, head: int) -> int:
+        return self.layer_base[layer] + block * self.num_heads + head
+
+    def _block_pages(self, block: int) -> list[int]:
+        return [self._page(layer, block, h) for layer in range(self.num_layers) for h in range(self.num_heads)]
+
+    def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
+        blocks = torch.tensor(self.blocks, dtype=torch.int64)[positions // self.block_size]
+        pages = self.layer_base[layer] + blocks * self.num_heads + head
+        return pages * self.block_size + positions % self.block_size
+
+    @staticmethod
+    def _slots(pages: list[int], count: int, block_size: int) -> torch.Tensor:
+        positions = torch.arange(count)
+        return torch.tensor(pages, dtype=torch.int64)[positions // block_size] * block_size + positions % block_size
+
+    @property
+    def num_distant(self) -> int:
+        return self.distant[1] - self.distant[0]
+
+    def layout(self, length: int, distant: tuple[int, int]) -> SharedLayoutPlan:
+        """Plan the move of ``length`` tokens in vLLM's stock layout to this layout; ``distant`` [start, end)."""
+        bs = self.block_size
+        start, end = distant
+        self.distant = distant
+        proximal = torch.cat([torch.arange(start), torch.arange(end, length)])
+        pairs = math.ceil((end - start) / 2)
+        counts = np.where(self.keeps_keys, length, length - (end - start))
+        value_pages = np.where(self.keeps_keys, 0, math.ceil(pairs / bs))
+        needed = int((-(-counts // bs)).sum() + value_pages.sum())
+        self.keep = min(math.ceil(needed / (self.num_layers * self.num_heads)) + 1, len(self.blocks))
+        pool = [p for b in self.blocks[: self.keep] for p in self._block_pages(b)]
+        pool.reverse()
+        src, dst, even, odd, pair_dst = [], [], [], [], []
+        distant_positions = torch.arange(start, end)
+        for layer in range(self.num_layers):
+            for h in range(self.num_heads):
+                count = int(counts[layer, h])
+                self.main[layer][h] = [pool.pop() for _ in range(-(-count // bs))]
+                positions = torch.arange(length) if self.keeps_keys[layer, h] else proximal
+                src.append(self._stock_slots(layer, h, positions))
+                dst.append(self._slots(self.main[layer][h], count, bs))
+                if not self.keeps_keys[layer, h] and pairs:
+                    self.values[layer][h] = [pool.pop() for _ in range(int(value_pages[layer, h]))]
+                    slots = self._stock_slots(layer, h, distant_positions)
+                    even.append(slots[0::2])
+                    odd.append(torch.cat([slots[1::2], slots[-1:]])[:pairs])
+                    pair_dst.append(self._slots(self.values[layer][h], pairs, bs))
+        self.free = pool
+        self.lengths[:] = counts
+        empty = torch.zeros(0, dtype=torch.int64)
+        return SharedLayoutPlan(
+            TokenMoves(torch.cat(src), torch.cat(dst)),
+            ValuePairs(*(torch.cat(parts) if parts else empty for parts in (even, odd, pair_dst))),
+            self.keep,
+        )
+
+    def add_blocks(self, blocks: Sequence[int]) -> None:
+        """Blocks vLLM appended as the request grew: all their pages are free."""
+        for block in blocks:
+            self.blocks.append(int(block))
+            self.free.extend(reversed(self._block_pages(int(block))))
+
+    def append(self) -> torch.Tensor:
+        """Room for one new token in every (layer, head)'s main sequence: its slots, [layers, heads]."""
+        bs = self.block_size
+        for layer, h in np.argwhere(self.lengths % bs == 0):
+            if not self.free:
+                raise RuntimeError("no free page left: the PoD request outgrew its blocks")
+            self.main[layer][h].append(self.free.pop())
+        pages = np.array([[heads[h][n // bs] for h, n in enumerate(lengths)] for heads, lengths in zip(self.main, self.lengths)])
+        slots = pages * bs + self.lengths % bs
+        self.lengths += 1
+        return torch.from_numpy(slots)
+
+    def main_slots(self, layer: int) -> list[torch.Tensor]:
+        """Per head, the slots of its main sequence in position order."""
+        return [self._slots(pages, int(n), self.block_size) for pages, n in zip(self.main[layer], self.lengths[layer])]
+
+    def value_slots(self, layer: int, head: int) -> torch.Tensor:
+        """The slots holding a sharing (layer, head)'s distant values, two per slot."""
+        return self._slots(self.values[layer][head], math.ceil(self.num_distant / 2), self.block_size)
+
+    def blocks_needed(self) -> int:
+        """The blocks the layout packed into, plus one spare for decode growth (see ``layout``)."""
+        return self.keep
+
+    def release_tail(self, keep_blocks: int) -> int:
+        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+        gone, released = set(), 0
+        for position in range(keep_blocks, len(self.blocks)):
+            block = self.blocks[position]
+            if block is not None:
+                gone.update(self._block_pages(block))
+                self.blocks[position] = None
+                released += 1
+        in_use = {p for table in (self.main, self.values) for layer in table for head in layer for p in head}
+        if gone & in_use:
+            raise RuntimeError("a released block still holds pages of the request")
+        self.free = [p for p in self.free if p not in gone]
+        return released
+
+    def live_blocks(self) -> int:
+        return sum(block is not None for block in self.blocks)
+
+    def kept_tokens(self) -> int:
+        """Token slots held: every main token, and one slot per pair of packed distant values."""
+        pairs = math.ceil(self.num_distant / 2)
+        return int(self.lengths.sum()) + pairs * int((~self.keeps_keys).sum())
