@@ -19,4 +19,5 @@ setup(
     cmdclass={"build_py": BuildWithPth},
     packages=[*find_packages(include=["kvpolicy*"]), "kvpolicy_triton"],
     package_dir={"kvpolicy_triton": "triton_kernels"},
+    package_data={"kvpolicy": ["data/*.json"]},
 )

@@ -82,6 +82,22 @@ def sample_windows(token_ids: list[int], count: int, length: int) -> list[int]:
     return [i * stride for i in range(count)]
 
 
+def load_model(path: Path | None):
+    """(model, the essays' token ids, versions): an HF model in float32 with eager attention (it
+    returns attention weights); ``path`` None prepares the default model."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        from kvpolicy.model import prepare
+
+        path = prepare()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    token_ids = tokenizer(haystack_text(), add_special_tokens=False, verbose=False)["input_ids"]
+    return model, token_ids, {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
 @torch.inference_mode()
 def last_token_attention(model, input_ids: torch.Tensor) -> torch.Tensor:
     """[layers, query heads, n]: every layer's post-softmax attention of the last of ``input_ids`` [1, n].
@@ -194,16 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
 
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if args.model is None:
-        from kvpolicy.model import prepare
-
-        args.model = prepare()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager").eval()
-    token_ids = tokenizer(haystack_text(), add_special_tokens=False, verbose=False)["input_ids"]
+    model, token_ids, versions = load_model(args.model)
     starts = sample_windows(token_ids, args.prompts, args.length)
 
     similarity = torch.zeros(model.config.num_hidden_layers, model.config.num_hidden_layers)
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "command": " ".join(["python -m kvpolicy.calibrate", *argv]),
         "settings": {
-            "model": str(args.model),
+            "model": str(args.model or "SmolLM2-135M-Instruct (kvpolicy-model)"),
             "prompts": args.prompts,
             "length": args.length,
             "top_k": args.top_k,
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             "window_starts": starts,
             "selector": "last token, max over query heads (eq. 4)",
         },
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], **versions},
         "seconds": round(seconds, 1),
         "layers": rows,
         "similarity": [[round(value, 5) for value in row] for row in similarity.tolist()],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from kvpolicy.policies import POLICIES, make_policy
 
@@ -36,8 +37,8 @@ class KVPolicyConfig:
     ratio: float | None = None
     window: int = 32
     pool_kernel: int = 7
-    sink_tokens: int = 4
-    recent_tokens: int = 64
+    sink_tokens: int | None = None  # None: the policy's own default
+    recent_tokens: int | None = None
     merge: bool = True
     alpha: float = 0.5
     mix: float = 0.5
@@ -45,6 +46,8 @@ class KVPolicyConfig:
     filter_layers: tuple[int, ...] = OMNIKV_FILTER_LAYERS
     dense_layers: int = OMNIKV_DENSE_LAYERS
     offload: float | None = None
+    pod_tau: float | None = None
+    pod_groups: str | None = None
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
@@ -67,7 +70,7 @@ class KVPolicyConfig:
             raise KVPolicyConfigError(
                 f"--kv-pool-kernel must be a positive odd number, got {self.pool_kernel}"
             )
-        if self.sink_tokens < 0 or self.recent_tokens < 0:
+        if (self.sink_tokens or 0) < 0 or (self.recent_tokens or 0) < 0:
             raise KVPolicyConfigError("--kv-sink-tokens and --kv-recent-tokens must be >= 0")
         if not self.filter_layers or sorted(set(self.filter_layers)) != list(self.filter_layers):
             raise KVPolicyConfigError(
@@ -81,6 +84,14 @@ class KVPolicyConfig:
                 raise KVPolicyConfigError(f"--kv-offload applies to --kv-policy omnikv, not {self.policy}")
             if self.offload <= 0:
                 raise KVPolicyConfigError(f"--kv-offload is the host pool's size in GiB, > 0; got {self.offload}")
+        if (self.pod_tau is not None or self.pod_groups is not None) and not policy.shares_scores:
+            raise KVPolicyConfigError(f"--kv-pod-tau and --kv-pod-groups apply to --kv-policy pod, not {self.policy}")
+        if self.pod_tau is not None and not 0.0 <= self.pod_tau <= 1.0:
+            raise KVPolicyConfigError(f"--kv-pod-tau is a gate threshold in [0, 1], got {self.pod_tau}")
+        if self.pod_groups is not None and not Path(self.pod_groups).is_file():
+            raise KVPolicyConfigError(
+                f"--kv-pod-groups {self.pod_groups}: no such file; make one with `python -m kvpolicy.calibrate_pod --model MODEL --out PATH`"
+            )
         for name in ("alpha", "mix"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise KVPolicyConfigError(f"--kv-{name} must be in [0, 1], got {getattr(self, name)}")
@@ -197,7 +208,10 @@ class KVPolicyConfig:
         return value
 
     def make_policy(self):
-        return make_policy(self.policy, **self.to_dict())
+        """The policy with these options; options left unset (None) keep the policy's own defaults."""
+        options = {name: value for name, value in self.to_dict().items() if value is not None}
+        options.update(tau=self.pod_tau, groups=self.pod_groups)
+        return make_policy(self.policy, **options)
 
     def check_model_len(self, max_model_len: int) -> None:
         if self.budget is not None and self.budget > max_model_len:

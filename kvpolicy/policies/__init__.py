@@ -9,12 +9,13 @@ from kvpolicy.policies.h2o import H2O
 from kvpolicy.policies.keydiff import KeyDiff
 from kvpolicy.policies.omnikv import OmniKV
 from kvpolicy.policies.passthrough import IdentityPolicy, NoPolicy
+from kvpolicy.policies.pod import PoD
 from kvpolicy.policies.snapkv import AdaPyramid, AdaSnapKV, PyramidKV, SnapKV
 from kvpolicy.policies.streaming import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, AdaMix, StreamingLLM, KeyDiff, H2O, D2O, OmniKV)
+    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, AdaMix, StreamingLLM, KeyDiff, H2O, D2O, OmniKV, PoD)
 }
 
 

@@ -91,6 +91,9 @@ class Policy:
     only to the pages other layers selected (OmniKV). ``family``: policies that
     differ only in which tokens ``compress`` keeps (same flags, same inputs), so
     one server can serve any of them per request; by default its own name.
+    ``shares_scores``: in decode, some layers reuse a lower layer's attention logits for the
+    prompt's distant tokens and keep only their values (PoD); the engine lays the request out
+    over every layer's pages at once instead of ``keep``-ing per layer.
     """
 
     name: ClassVar[str]
@@ -103,6 +106,7 @@ class Policy:
     evicts_in_decode: ClassVar[bool] = False
     accumulates_attention: ClassVar[bool] = False
     selects_context: ClassVar[bool] = False
+    shares_scores: ClassVar[bool] = False
     family: ClassVar[str | None] = None
 
     @classmethod

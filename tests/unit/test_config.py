@@ -7,7 +7,7 @@ from kvpolicy.policies import POLICIES, IdentityPolicy, PromptKV
 
 
 def test_unknown_policy_lists_the_valid_ones():
-    with pytest.raises(KVPolicyConfigError, match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pyramid, snapkv, streaming"):
+    with pytest.raises(KVPolicyConfigError, match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, snapkv, streaming"):
         KVPolicyConfig(policy="bogus")
 
 

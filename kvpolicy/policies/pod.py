@@ -1,0 +1,182 @@
+"""PoD: proximal tokens over distant tokens, with inter-layer sharing of the distant tokens' scores.
+
+Every token attends to its *proximal* tokens (the first ``sink_tokens`` and the
+last ``recent_tokens``) with its own layer's queries and keys; for the
+*distant* tokens between them, a layer reuses the attention logits of the
+lowest layer of its block (layers grouped offline by attention similarity,
+Algorithm 1) with its own values (eq. 3), and a parameter-free gate combines
+the two groups (eq. 4). Only the lowest layer of a block needs the distant
+tokens' keys, which is where the memory goes (§2.3).
+
+Readings we chose where the paper leaves room (docs/policies.md has the numbers):
+
+- ``sim_h(a, b)`` is written as the mean Jensen-Shannon divergence but read
+  as "similar when >= delta" with ``0 <= sim <= 1``: we use one minus the mean
+  JS divergence (base-2 logarithms, so it lies in [0, 1]).
+- Blocks are per KV head, not per query head: a key is shared by the query
+  heads of its group, so only a grouping of KV heads can drop keys. A KV
+  head's similarity is the mean over its query heads.
+- Eq. 4's gate makes eq. 3-4 one softmax over the concatenated logits
+  (proximal from this layer, distant from the lowest layer) applied to this
+  layer's values: ``shared_attention`` computes it that way.
+- Sharing applies in decode, after the prompt is read with full attention
+  (the paper's untrained setting would otherwise change every prompt token's
+  output too); the distant set is the prompt's middle, fixed at the end of
+  the prompt, and every generated token is proximal.
+- ``tau`` (§2.3): a non-lowest layer skips the distant tokens, per query
+  head, when the proximal share of the gate is at least ``tau``; None never
+  skips.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpolicy.policies.base import Policy, PromptKV
+
+#: The grouping shipped for the default model (``python -m kvpolicy.calibrate_pod``).
+DEFAULT_GROUPS = Path(__file__).resolve().parent.parent / "data" / "pod_groups_smollm2.json"
+
+
+def js_similarity(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """One minus the Jensen-Shannon divergence (base 2) of distributions along the last dim: 1 is identical."""
+    p, q = p.double(), q.double()
+    m = (p + q) / 2
+
+    def kl(a: torch.Tensor) -> torch.Tensor:
+        return torch.where(a > 0, a * (a / m).log2(), torch.zeros_like(a)).sum(dim=-1)
+
+    return 1 - (kl(p) + kl(q)) / 2
+
+
+def group_layers(similarity: torch.Tensor, delta: float) -> list[list[list[int]]]:
+    """Algorithm 1 per head: ``similarity`` [heads, layers, layers]; a layer joins the current block when it is
+    at least ``delta`` similar to every layer already in it, else it starts a new block."""
+    groups = []
+    for sim in similarity:
+        blocks = [[0]]
+        for layer in range(1, sim.shape[0]):
+            if all(sim[layer, other] >= delta for other in blocks[-1]):
+                blocks[-1].append(layer)
+            else:
+                blocks.append([layer])
+        groups.append(blocks)
+    return groups
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """The offline grouping of one model: ``blocks[h]`` are KV head ``h``'s blocks of consecutive layers."""
+
+    blocks: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return max(layer for head in self.blocks for block in head for layer in block) + 1
+
+    def lowest(self) -> list[list[int]]:
+        """[layer][head]: the lowest layer of the block the layer belongs to for that head."""
+        table = [[0] * self.num_heads for _ in range(self.num_layers)]
+        for head, blocks in enumerate(self.blocks):
+            for block in blocks:
+                for layer in block:
+                    table[layer][head] = block[0]
+        return table
+
+    def shared_fraction(self) -> float:
+        """Share of (layer, head) pairs that reuse a lower layer's scores, i.e. keep no distant keys."""
+        lowest = self.lowest()
+        shared = sum(lowest[layer][head] != layer for layer in range(self.num_layers) for head in range(self.num_heads))
+        return shared / (self.num_layers * self.num_heads)
+
+    @classmethod
+    def single_layers(cls, num_layers: int, num_heads: int) -> "LayerGroups":
+        """Every layer its own block: nothing is shared (PoD equals the full cache)."""
+        return cls(tuple(tuple((layer,) for layer in range(num_layers)) for _ in range(num_heads)))
+
+    @classmethod
+    def of(cls, blocks) -> "LayerGroups":
+        return cls(tuple(tuple(tuple(int(layer) for layer in block) for block in head) for head in blocks))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LayerGroups":
+        return cls.of(json.loads(Path(path).read_text())["blocks"])
+
+
+def _gate(own: torch.Tensor, distant_logits: torch.Tensor) -> torch.Tensor:
+    own_mass = own.logsumexp(dim=-1)
+    return (own_mass - torch.logaddexp(own_mass, distant_logits.float().logsumexp(dim=-1))).exp()
+
+
+def proximal_gate(query: torch.Tensor, keys: torch.Tensor, distant_logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """Eq. 4's ``g`` per query head, [G]: the proximal tokens' share of the attention mass (``shared_attention``'s arguments)."""
+    return _gate((query.float() @ keys.float().T) * scale, distant_logits)
+
+
+def shared_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    distant_logits: torch.Tensor | None,
+    distant_values: torch.Tensor | None,
+    scale: float,
+    tau: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 3-4 for one decode query of one KV head: (output [G, D] float32, [G] whether the distant part was skipped).
+
+    ``query`` [G, D] (the KV head's query heads); ``keys``/``values`` [m, D]: this layer's own
+    tokens (every token in a block's lowest layer; the proximal ones elsewhere); ``distant_logits``
+    [G, n_d]: the lowest layer's scaled logits of the distant tokens, with ``distant_values`` [n_d, D]
+    this layer's values of them; both None in a lowest layer.
+    """
+    own = (query.float() @ keys.float().T) * scale
+    if distant_logits is None:
+        return own.softmax(dim=-1) @ values.float(), torch.zeros(query.shape[0], dtype=torch.bool)
+    logits = torch.cat([own, distant_logits.float()], dim=-1)
+    weights = logits.softmax(dim=-1)
+    out = weights[:, : own.shape[1]] @ values.float() + weights[:, own.shape[1] :] @ distant_values.float()
+    if tau is None:
+        return out, torch.zeros(query.shape[0], dtype=torch.bool)
+    skipped = _gate(own, distant_logits) >= tau
+    return torch.where(skipped[:, None], own.softmax(dim=-1) @ values.float(), out), skipped
+
+
+@dataclass(frozen=True)
+class PoD(Policy):
+    """Which tokens are proximal, and which layers keep distant keys (``LayerGroups`` from ``groups``)."""
+
+    name = "pod"
+    relocates = True
+    needs_budget = False
+    shares_scores = True
+    sink_tokens: int = 16
+    recent_tokens: int = 1008
+    tau: float | None = None
+    groups: str | None = None
+
+    def layer_groups(self) -> LayerGroups:
+        return LayerGroups.load(self.groups or DEFAULT_GROUPS)
+
+    def distant_range(self, num_tokens: int) -> tuple[int, int]:
+        """[start, end) of a prompt's distant tokens: between the sinks and the recent window (may be empty)."""
+        start = min(self.sink_tokens, num_tokens)
+        return start, max(start, num_tokens - self.recent_tokens)
+
+    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
+        """The tokens whose keys a layer that shares scores keeps: the proximal ones."""
+        start, end = self.distant_range(prompt.num_tokens)
+        kept = torch.cat([torch.arange(start), torch.arange(end, prompt.num_tokens)])
+        return [kept for _ in range(prompt.num_heads)]
+
+    def saved_fraction(self, groups: LayerGroups, num_tokens: int) -> float:
+        """Share of a request's K+V bytes PoD frees at ``num_tokens``: the distant keys of the shared (layer, head) pairs."""
+        start, end = self.distant_range(num_tokens)
+        return groups.shared_fraction() * (end - start) / (2 * num_tokens) if num_tokens else 0.0

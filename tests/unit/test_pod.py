@@ -1,0 +1,147 @@
+"""PoD: the similarity and grouping of §2.1, eq. 3-4 against a reference written from the paper, and the shared layout."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvpolicy.config import KVPolicyConfig
+from kvpolicy.paging import SharedPages
+from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers, js_similarity, proximal_gate, shared_attention
+
+
+def reference_pod(q_own, k_own, v_own, q_low, k_low, sinks, recent, scale):
+    """Eq. 3-4 for one query head, term by term: ``o = g * o_P + (1 - g) * o_D``."""
+    n = k_own.shape[0]
+    proximal = list(range(sinks)) + list(range(n - recent, n))
+    distant = list(range(sinks, n - recent))
+    a_p = torch.stack([q_own @ k_own[j] for j in proximal]).double() * scale
+    o_p = sum(w * v_own[j].double() for w, j in zip(a_p.softmax(0), proximal))
+    a_d = torch.stack([q_low @ k_low[j] for j in distant]).double() * scale
+    o_d = sum(w * v_own[j].double() for w, j in zip(a_d.softmax(0), distant))
+    g = a_p.exp().sum() / (a_p.exp().sum() + a_d.exp().sum())
+    return g * o_p + (1 - g) * o_d
+
+
+def test_similarity_is_one_minus_js_divergence():
+    p = torch.tensor([0.5, 0.5, 0.0])
+    assert js_similarity(p, p).item() == pytest.approx(1.0)
+    assert js_similarity(p, torch.tensor([0.0, 0.0, 1.0])).item() == pytest.approx(0.0)
+    q = torch.tensor([0.2, 0.3, 0.5])
+    assert js_similarity(p, q).item() == pytest.approx(js_similarity(q, p).item())
+    m = (p + q) / 2
+    js = 0.5 * sum(a * math.log2(a / b) for a, b in zip(p.tolist(), m.tolist()) if a) + 0.5 * sum(
+        a * math.log2(a / b) for a, b in zip(q.tolist(), m.tolist()) if a
+    )
+    assert js_similarity(p, q).item() == pytest.approx(1 - js)
+
+
+def test_algorithm_1_joins_a_layer_only_when_it_is_similar_to_every_layer_of_the_block():
+    sim = torch.eye(5)
+    sim[1, 0] = sim[0, 1] = 0.9
+    sim[2, 1] = sim[1, 2] = 0.9  # similar to layer 1 but not to layer 0: a new block
+    sim[3, 2] = sim[2, 3] = 0.6
+    sim[4, 3] = sim[3, 4] = 0.4
+    assert group_layers(sim[None].expand(2, 5, 5), 0.5) == [[[0, 1], [2, 3], [4]]] * 2
+    groups = LayerGroups.of(group_layers(sim[None], 0.5))
+    assert groups.lowest() == [[0], [0], [2], [2], [4]]
+    assert groups.shared_fraction() == pytest.approx(2 / 5)
+
+
+def test_shared_attention_is_eq_3_and_4():
+    torch.manual_seed(0)
+    group, n, dim, sinks, recent = 3, 40, 16, 4, 10
+    q_own, q_low = torch.randn(group, dim), torch.randn(group, dim)
+    k_own, k_low, v_own = torch.randn(n, dim), torch.randn(n, dim), torch.randn(n, dim)
+    scale = dim ** -0.5
+    proximal = torch.cat([torch.arange(sinks), torch.arange(n - recent, n)])
+    distant = torch.arange(sinks, n - recent)
+    distant_logits = (q_low @ k_low[distant].T) * scale
+    out, skipped = shared_attention(q_own, k_own[proximal], v_own[proximal], distant_logits, v_own[distant], scale)
+    expected = torch.stack([reference_pod(q_own[g], k_own, v_own, q_low[g], k_low, sinks, recent, scale) for g in range(group)])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    assert not skipped.any()
+
+
+def test_a_lowest_layer_sharing_with_itself_is_full_attention():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 8), torch.randn(20, 8), torch.randn(20, 8)
+    full = ((q @ k.T) * 0.3).softmax(-1) @ v
+    own, _ = shared_attention(q, k, v, None, None, 0.3)
+    split, _ = shared_attention(q, k[:5], v[:5], (q @ k[5:].T) * 0.3, v[5:], 0.3)
+    torch.testing.assert_close(own, full)
+    torch.testing.assert_close(split, full)
+
+
+def test_tau_skips_the_distant_part_where_the_proximal_gate_reaches_it():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 8), torch.randn(6, 8), torch.randn(6, 8)
+    distant_logits = torch.tensor([[-30.0, -30.0], [5.0, 5.0]])
+    gate = proximal_gate(q, k, distant_logits, 1.0)
+    assert gate[0] > 0.99 > gate[1]
+    out, skipped = shared_attention(q, k, v, distant_logits, torch.randn(2, 8), 1.0, tau=0.99)
+    assert skipped.tolist() == [True, False]
+    torch.testing.assert_close(out[0], (q[0] @ k.T).softmax(-1) @ v)
+
+
+def test_the_shipped_grouping_fits_the_default_model_and_saves_what_it_says():
+    groups = PoD().layer_groups()
+    assert (groups.num_layers, groups.num_heads) == (30, 3)
+    assert PoD().saved_fraction(groups, 8192) == pytest.approx(groups.shared_fraction() * (8192 - 1024) / (2 * 8192))
+    assert PoD().saved_fraction(groups, 1000) == 0.0
+    assert DEFAULT_GROUPS.is_file()
+
+
+def test_config_gives_pod_its_own_defaults_and_checks_its_options():
+    pod = KVPolicyConfig(policy="pod").make_policy()
+    assert (pod.sink_tokens, pod.recent_tokens, pod.tau) == (16, 1008, None)
+    assert KVPolicyConfig(policy="streaming", budget=64).make_policy().sink_tokens == 4
+    assert KVPolicyConfig(policy="pod", sink_tokens=8, pod_tau=0.7).make_policy().tau == 0.7
+    with pytest.raises(ValueError, match="apply to --kv-policy pod"):
+        KVPolicyConfig(policy="snapkv", budget=64, pod_tau=0.7)
+    with pytest.raises(ValueError, match="calibrate_pod"):
+        KVPolicyConfig(policy="pod", pod_groups="/nonexistent.json")
+
+
+def _apply(plan, buffer):
+    """The layout's moves on a flat buffer of one-head slots [slots, 2 (K/V), 1], read all, then write."""
+    k, v = buffer[plan.tokens.src, 0].clone(), buffer[plan.tokens.src, 1].clone()
+    even, odd = buffer[plan.values.even, 1].clone(), buffer[plan.values.odd, 1].clone()
+    buffer[plan.tokens.dst, 0], buffer[plan.tokens.dst, 1] = k, v
+    buffer[plan.values.dst, 0], buffer[plan.values.dst, 1] = even, odd
+
+
+def test_shared_layout_keeps_distant_keys_only_in_lowest_layers_and_frees_blocks():
+    layers, heads, bs, length = 3, 2, 4, 64
+    blocks = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()  # 16 blocks of 4 tokens
+    keeps = np.array([[True, True], [False, True], [False, False]])
+    base = [0, 16 * heads, 32 * heads]
+    pages = SharedPages(base, heads, bs, blocks, keeps)
+    # Token i of (layer, head) in vLLM's layout holds K = 1000*layer + 100*head + i, V = -(that).
+    buffer = torch.zeros(3 * 16 * heads * bs, 2, 1)
+    for layer in range(layers):
+        for h in range(heads):
+            for i in range(length):
+                slot = (base[layer] + blocks[i // bs] * heads + h) * bs + i % bs
+                buffer[slot, 0] = 1000 * layer + 100 * h + i
+                buffer[slot, 1] = -(1000 * layer + 100 * h + i)
+    plan = pages.layout(length, (2, 56))  # 2 sinks, 54 distant, 8 recent
+    _apply(plan, buffer)
+    for layer in range(layers):
+        for h, slots in enumerate(pages.main_slots(layer)):
+            positions = list(range(length)) if keeps[layer, h] else [*range(2), *range(56, 64)]
+            assert buffer[slots, 0, 0].tolist() == [1000 * layer + 100 * h + i for i in positions]
+            assert buffer[slots, 1, 0].tolist() == [-(1000 * layer + 100 * h + i) for i in positions]
+            if not keeps[layer, h]:
+                pairs = buffer[pages.value_slots(layer, h), :, 0]
+                assert pairs.flatten().tolist() == [-(1000 * layer + 100 * h + i) for i in range(2, 56)]
+    # 3 (layer, head) pairs keep 64 tokens (16 pages), 3 keep 10 (3 pages) and 27 value pairs (7 pages):
+    # 78 pages, 6 to a block, plus a spare block.
+    assert plan.keep_blocks == 78 // 6 + 1 == pages.blocks_needed() == 14
+    assert pages.kept_tokens() == 3 * 64 + 3 * 10 + 3 * 27
+    assert pages.release_tail(plan.keep_blocks) == 2
+    slots = pages.append()
+    assert slots.shape == (layers, heads)
+    assert len(set(slots.flatten().tolist())) == layers * heads
+    assert pages.lengths.tolist() == [[65, 65], [11, 65], [11, 11]]
