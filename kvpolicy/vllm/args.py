@@ -46,7 +46,8 @@ _PATCHED = "_kvpolicy_patched"
 #: Options only one policy takes: a single value is judged as that policy's (the whole config is judged later).
 _OPTION_POLICY = {"merge": {"policy": "d2o", "budget": 256}, "offload": {"policy": "omnikv", "budget": 256},
                   "alpha": {"policy": "adamix", "budget": 256}, "mix": {"policy": "adamix", "budget": 256},
-                  "combine": {"policy": "adamix", "budget": 256}}
+                  "combine": {"policy": "adamix", "budget": 256}, "pod_tau": {"policy": "pod"},
+                  "pod_groups": {"policy": "pod"}}
 
 
 def _option_type(name: str, convert):
@@ -93,8 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("ratio", float, None, "fraction of prompt tokens kept (instead of --kv-budget)"),
         ("window", int, defaults.window, "observation window: last prompt queries that score tokens"),
         ("pool_kernel", int, defaults.pool_kernel, "max-pooling kernel over token scores"),
-        ("sink_tokens", int, defaults.sink_tokens, "attention-sink tokens always kept"),
-        ("recent_tokens", int, defaults.recent_tokens, "most recent tokens always kept"),
+        ("sink_tokens", int, None, "attention-sink tokens always kept (default: streaming, d2o 4; pod 16, the paper's n_s)"),
+        ("recent_tokens", int, None,
+         "most recent tokens always kept (default: h2o, d2o 64; pod 1008, proximal = 1/8 of the default model's 8K "
+         "context as the paper's 4096 of 32K)"),
         ("merge", _boolean, defaults.merge, "d2o: merge evicted tokens into their nearest kept ones (false: evict only)"),
         ("alpha", float, defaults.alpha,
          "adasnap, adapyramid, adamix: Ada-KV's safeguard, the share of a head's capacity it always gets "
@@ -106,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "omnikv: layers that select the context of the layers after them, e.g. 2,8,18 "
          f"(default {','.join(map(str, defaults.filter_layers))}: calibrated for SmolLM2-135M)"),
         ("dense_layers", int, None, f"omnikv: layers below this always attend to everything (default {defaults.dense_layers})"),
+        ("pod_tau", float, None,
+         "pod: skip a layer's distant tokens when the proximal share of its gate (eq. 4) is at least this "
+         "(the paper's 0.7 trades 5%% quality for 25%% of the distant compute; default: never skip)"),
+        ("pod_groups", str, None,
+         "pod: the layer grouping JSON of `python -m kvpolicy.calibrate_pod` (default: the one shipped for SmolLM2-135M)"),
         ("offload", float, None,
          "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
          "the full-attention layers and the pages loaded for each step (no prefix caching)"),
@@ -236,6 +244,28 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
             raise KVPolicyConfigError(f"{exc}; run `python -m kvpolicy.calibrate --model {model_config.model}`") from None
         if config.ratio is not None:
             config.sparse_budget(model_config.max_model_len, num_layers)
+    if POLICIES[config.policy].shares_scores:
+        _check_pod_groups(config, vllm_config)
+
+
+def _check_pod_groups(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
+    """PoD's layer grouping must be the model's: one block list per KV head covering every layer."""
+    model_config = vllm_config.model_config
+    if not current_platform.is_cpu():
+        raise KVPolicyConfigError(
+            "--kv-policy pod runs on vLLM's CPU platform in this release (its torch decode path was not run on a GPU)"
+        )
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        raise KVPolicyConfigError("--kv-policy pod does not support tensor parallelism yet; drop --tensor-parallel-size")
+    groups = config.make_policy().layer_groups()
+    num_layers = model_config.get_num_layers(vllm_config.parallel_config)
+    num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    if (groups.num_layers, groups.num_heads) != (num_layers, num_kv_heads):
+        raise KVPolicyConfigError(
+            f"the PoD layer grouping {config.pod_groups or 'shipped for SmolLM2-135M'} is for {groups.num_layers} layers x "
+            f"{groups.num_heads} KV heads, and {model_config.model} has {num_layers} x {num_kv_heads}; run "
+            f"`python -m kvpolicy.calibrate_pod --model {model_config.model} --out PATH` and pass --kv-pod-groups PATH"
+        )
 
 
 def patch_engine_args() -> None:

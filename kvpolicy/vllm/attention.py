@@ -4,7 +4,7 @@
 ``super()`` is vLLM's own attention (stock rows, steps with no kvpolicy work).
 A step (``step.py``) arrives on the metadata as ``step``; its relocating
 part runs on the per-head path, its selecting part on the selection path,
-both over the impl's ``KVOps``.
+its score-sharing part (PoD) on the sharing path, all over the impl's ``KVOps``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from kvpolicy.vllm.internals import extract_layer_index, get_forward_context
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.per_head import PerHeadPath
 from kvpolicy.vllm.selection import SelectionPath
+from kvpolicy.vllm.sharing import SharingPath
 from kvpolicy.vllm.state import WORKER_STATE
-from kvpolicy.vllm.step import RelocatingStep, SelectingStep, Step
+from kvpolicy.vllm.step import RelocatingStep, SelectingStep, SharingStep, Step
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,12 +31,13 @@ def step_of(metadata) -> Step | None:
 
 
 class KVPolicyAttention:
-    """Mixin: per-head and selection paths over the impl's ops, the platform's impl (``super()``) for the rest."""
+    """Mixin: per-head, selection and sharing paths over the impl's ops, the platform's impl (``super()``) for the rest."""
 
     def use_ops(self, ops: KVOps) -> None:
         WORKER_STATE.ops = type(ops).__name__
         self.per_head = PerHeadPath(ops)
         self.selection = SelectionPath(ops)
+        self.sharing = SharingPath(ops)
 
     @staticmethod
     def _layer_metadata(layer):
@@ -49,6 +51,9 @@ class KVPolicyAttention:
         if isinstance(step, RelocatingStep) and step.per_head is not None:
             self._write_stock(layer, key, value, kv_cache, slot_mapping, step.platform_layout_tokens)
             self.per_head.write(layer, layer_index(layer.layer_name), key, value, kv_cache, step.per_head)
+        elif isinstance(step, SharingStep) and step.shared is not None:
+            self._write_stock(layer, key, value, kv_cache, slot_mapping, step.stock.token_idx)
+            self.sharing.write(layer, layer_index(layer.layer_name), key, value, step.shared)
         elif isinstance(step, SelectingStep) and step.offloaded is not None:
             self._write_stock(layer, key, value, kv_cache, slot_mapping, step.resident.token_idx)
             self.selection.write(layer, layer_index(layer.layer_name), key, value, step.offloaded)
@@ -74,6 +79,13 @@ class KVPolicyAttention:
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         if isinstance(step, SelectingStep):
             self.selection.attend(layer, layer_idx, query, out, kv_cache, step, stock)
+            return output
+        if isinstance(step, SharingStep):
+            if step.shared is None:
+                output = stock()
+            else:
+                self.sharing.attend(layer, layer_idx, query, out, kv_cache, step, self.scale)
+            self.sharing.after_attention(layer, layer_idx, step)
             return output
         if step.per_head is None and not step.summed:
             output = stock()

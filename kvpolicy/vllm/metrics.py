@@ -53,6 +53,18 @@ COUNTERS = {
         "vllm:kvpolicy_ideal_kv_pages",
         "Kept tokens / block size: the pages a perfect allocator would hold; ideal / held is memory efficiency.",
     ),
+    "pod_layouts": (
+        "vllm:kvpolicy_pod_layouts",
+        "pod: requests laid out over every layer's pages (distant keys kept only in each block's lowest layer).",
+    ),
+    "pod_distant_evaluated": (
+        "vllm:kvpolicy_pod_distant_evaluated",
+        "pod: (query head, layer) pairs of decode tokens that could attend to distant tokens with shared scores.",
+    ),
+    "pod_distant_skipped": (
+        "vllm:kvpolicy_pod_distant_skipped",
+        "pod --kv-pod-tau: of those, the ones whose proximal gate reached tau, so the distant part was skipped.",
+    ),
     "offloaded_requests": (
         "vllm:kvpolicy_offloaded_requests",
         "omnikv --kv-offload: requests whose sparse layers moved to the host pool when their prompt completed.",

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages
+from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages, SharedPages
 from kvpolicy.policies import Policy
 
 
@@ -65,7 +65,7 @@ class WorkerState:
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
     runner: Any = None
-    requests: dict[str, RequestPages] = field(default_factory=dict)
+    requests: dict[str, RequestPages | SharedPages] = field(default_factory=dict)
     window_queries: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
     column_sums: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
@@ -101,6 +101,10 @@ class WorkerState:
     @property
     def selects_context(self) -> bool:
         return self.policy is not None and self.policy.selects_context and self.runner is not None
+
+    @property
+    def shares_scores(self) -> bool:
+        return self.policy is not None and self.policy.shares_scores and self.runner is not None
 
     @property
     def offloads(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedLayoutPlan, SharedPages
 from kvpolicy.policies import Policy
 
 #: ``plan(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)``: the ops' own
@@ -193,4 +193,31 @@ class SelectingStep:
     offloads: list[OffloadPlan] = field(default_factory=list)  # prompts whose sparse layers move after the last layer
 
 
-Step = RelocatingStep | SelectingStep
+@dataclass
+class SharedBatch:
+    """PoD's decode rows: one new token per row, attended per KV head by ``SharingPath`` over the
+    whole KV buffer (``WorkerState.page_space``).
+
+    ``rows``: virtual tokens (row, head); ``slots[l]`` where layer ``l`` writes the new K/V (global
+    one-head slots, in ``rows`` order). ``distant_logits`` fills as the step runs: (row, head,
+    layer) -> a lowest layer's scaled logits of the distant tokens, [G, n_d], for the layers above it.
+    """
+
+    token_idx: torch.Tensor
+    rows: HeadRows
+    requests: list[SharedPages]
+    slots: torch.Tensor
+    distant_logits: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class SharingStep:
+    """A step of PoD: ``stock`` attends every row but the decode rows in ``shared``; ``layouts``
+    are prompts that complete this step, laid out over every layer's pages after the last layer."""
+
+    stock: AttentionBatch
+    shared: SharedBatch | None = None
+    layouts: list[SharedLayoutPlan] = field(default_factory=list)
+
+
+Step = RelocatingStep | SelectingStep | SharingStep

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, stock_slots
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots
 from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
@@ -27,6 +27,8 @@ from kvpolicy.vllm.step import (
     RelocatingStep,
     Relocation,
     SelectingStep,
+    SharedBatch,
+    SharingStep,
     SummedChunk,
     Step,
     WindowStash,
@@ -75,6 +77,8 @@ class StepBuilder:
         """``cam``: vLLM's ``CommonAttentionMetadata`` of the step. None: every row takes the stock path."""
         if WORKER_STATE.selects_context:
             return self._selecting(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
+        if WORKER_STATE.shares_scores:
+            return self._sharing(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
         if WORKER_STATE.relocates:
             return self._relocating(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
         return None
@@ -137,6 +141,62 @@ class StepBuilder:
         if per_head_rows or summed:
             away = {row for row, _, _, _ in per_head_rows} | set(summed_rows)
             step.stock = self._stock_batch(sorted(set(range(num_reqs)) - away), batch)
+        return step
+
+    @functools.cached_property
+    def _keeps_distant_keys(self) -> np.ndarray:
+        """[layers, heads]: PoD's (layer, head) pairs that are the lowest of their block."""
+        lowest = np.array(WORKER_STATE.policy.layer_groups().lowest())
+        return lowest == np.arange(self.num_layers)[:, None]
+
+    def _sharing(self, batch: HostBatch) -> SharingStep | None:
+        """PoD: decode rows of laid-out requests attend on the sharing path; a request whose computed
+        tokens are all in the cache this step, with a page's worth of distant tokens, is laid out
+        after the step's last layer (its blocks past the layout go back to vLLM)."""
+        runner = WORKER_STATE.runner
+        policy = WORKER_STATE.policy
+        qsl, seq_lens = batch.query_start_loc, batch.seq_lens.numpy()
+        decoding, layouts = [], []
+        for row, req_id in enumerate(batch.req_ids):
+            query_len = int(qsl[row + 1] - qsl[row])
+            seq_len = int(seq_lens[row])
+            num_blocks = -(-seq_len // self.block_size)
+            pages = WORKER_STATE.requests.get(req_id)
+            if pages is not None and seq_len == query_len:
+                WORKER_STATE.forget([req_id])  # preempted and recomputed from scratch
+                pages = None
+            extra = runner.requests[req_id].sampling_params.extra_args or {}
+            if query_len == 0 or extra.get(REQUEST_POLICY_KEY) == "none":
+                continue
+            if pages is not None:
+                if query_len != 1:
+                    raise RuntimeError("a PoD request takes one new token per step once it is laid out")
+                pages.add_blocks(batch.block_table[row, len(pages.blocks) : num_blocks].tolist())
+                decoding.append((row, pages))
+                continue
+            start, end = policy.distant_range(seq_len)
+            if seq_len < runner.requests[req_id].num_tokens or end - start < self.block_size:
+                continue  # a prompt chunk, or too few distant tokens to free a page
+            space = WORKER_STATE.page_space()
+            blocks = batch.block_table[row, :num_blocks].tolist()
+            pages = SharedPages(space.layer_base, self.num_kv_heads, self.block_size, blocks, self._keeps_distant_keys)
+            layouts.append(pages.layout(seq_len, (start, end)))
+            WORKER_STATE.requests[req_id] = pages
+            WORKER_STATE.relocated_this_step[req_id] = True
+        if not (decoding or layouts):
+            return None
+        away = {row for row, _ in decoding}
+        step = SharingStep(self._stock_batch(sorted(set(range(batch.num_reqs)) - away), batch), layouts=layouts)
+        if decoding:
+            heads = self.num_kv_heads
+            token_idx = torch.tensor([int(qsl[row]) for row, _ in decoding], dtype=torch.int64)
+            slots = torch.stack([pages.append() for _, pages in decoding], dim=1)  # [layers, rows, heads]
+            step.shared = SharedBatch(
+                token_idx,
+                HeadRows(token_idx.repeat_interleave(heads), torch.arange(heads).repeat(len(decoding)), len(decoding) == int(qsl[-1])),
+                [pages for _, pages in decoding],
+                slots.reshape(self.num_layers, -1),
+            )
         return step
 
     @functools.cached_property
