@@ -67,6 +67,44 @@ class CapturingPolicy:
             })
 
 
+class SharedAttentionRecords:
+    """PoD: every ``shared_attention`` call of the first decode step of the first laid-out row, by (layer, head)."""
+
+    def __init__(self):
+        self.records: dict[tuple[int, int], dict] = {}
+        self.layer = None
+        self.step_done = False
+
+
+def capture_shared_attention() -> SharedAttentionRecords:
+    """Wrap the sharing path so that its per-head attention calls are recorded with their inputs and output."""
+    from kvpolicy.vllm import sharing
+
+    capture = SharedAttentionRecords()
+    attend_shared, attention = sharing.SharingPath._attend_shared, sharing.shared_attention
+    calls = []
+
+    def recording_attend(self, layer, layer_idx, query, out, shared, scale):
+        capture.layer = layer_idx
+        calls.clear()
+        attend_shared(self, layer, layer_idx, query, out, shared, scale)
+        if not capture.step_done:
+            heads = len(shared.rows.head_of) // len(shared.requests)
+            for head, (inputs, result) in enumerate(calls[:heads]):  # the first row's heads
+                capture.records[layer_idx, head] = {**inputs, "out": result, "distant": shared.requests[0].distant}
+            capture.step_done = layer_idx == len(self._lowest) - 1
+
+    def recording_attention(query, keys, values, distant_logits, distant_values, scale, tau=None):
+        result = attention(query, keys, values, distant_logits, distant_values, scale, tau)
+        names = ("query", "keys", "values", "distant_logits", "distant_values")
+        calls.append(({n: None if t is None else t.clone() for n, t in zip(names, (query, keys, values, distant_logits, distant_values))} | {"scale": scale}, result[0].clone()))
+        return result
+
+    sharing.SharingPath._attend_shared = recording_attend
+    sharing.shared_attention = recording_attention
+    return capture
+
+
 def prompts(lengths=PROMPT_LENS, vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
     import torch
 
@@ -89,6 +127,10 @@ def main() -> int:
     parser.add_argument("--filter-layers", default=None, help="omnikv: comma-separated filter layers")
     parser.add_argument("--dense-layers", type=int, default=None, help="omnikv: layers below it attend fully")
     parser.add_argument("--offload", type=float, default=None, help="omnikv: host pool GiB (--kv-offload)")
+    parser.add_argument("--sink-tokens", type=int, default=None)
+    parser.add_argument("--recent-tokens", type=int, default=None)
+    parser.add_argument("--pod-groups", default=None, help="pod: a layer grouping JSON (--kv-pod-groups)")
+    parser.add_argument("--pod-tau", type=float, default=None, help="pod: --kv-pod-tau")
     parser.add_argument("--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -120,6 +162,9 @@ def main() -> int:
         kwargs["kv_dense_layers"] = args.dense_layers
     if args.offload:
         kwargs["kv_offload"] = args.offload
+    for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau"):
+        if getattr(args, name) is not None:
+            kwargs[f"kv_{name}"] = getattr(args, name)
     llm = LLM(
         args.model,
         dtype="float32",
@@ -136,7 +181,10 @@ def main() -> int:
     if args.capture:
         from kvpolicy.vllm.state import WORKER_STATE
 
-        WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)
+        if WORKER_STATE.policy.shares_scores:
+            capturing = capture_shared_attention()
+        else:
+            WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompt_lens)], params, use_tqdm=False)
     result = [
