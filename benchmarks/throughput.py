@@ -6,7 +6,8 @@
 Every configuration runs in a fresh engine process (vLLM's offline ``LLM``
 driven step by step) on the same haystack prompts, all submitted at once.
 Per step it samples vLLM's own Prometheus gauges, so peak running requests,
-preemptions and blocks held are what vLLM's scheduler saw. A 4K-token prompt
+preemptions and blocks held are what vLLM's scheduler saw; blocks per
+request is blocks held over running requests, averaged over the steps. A 4K-token prompt
 alone, after one untimed run of it, measures time to first token twice:
 with a per-request budget of its whole length (vLLM's stock path, in the
 same engine) and with the engine's budget; their ratio is the cost of
@@ -31,12 +32,13 @@ from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, write
 
 #: "stock" is vLLM without kvpolicy options; "none" is kvpolicy installed with --kv-policy none.
 FULL_POLICIES = ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
-UNBUDGETED = ("stock", "none", "identity")
+#: Policies without a token budget: PoD keeps proximal tokens by its own --kv-recent-tokens/--kv-sink-tokens.
+UNBUDGETED = ("stock", "none", "identity", "pod")
 #: The quick run: stock vLLM, the per-head path's cost, and the uniform, adaptive and attention-free evictions.
 QUICK_POLICIES = ["stock", "identity", "snapkv", "adasnap", "streaming"]
 COLUMNS = [
     "policy", "budget", "output_len", "output_tokens_per_s", "peak_running", "preemptions",
-    "mean_blocks_held", "memory_efficiency", "decode_ms_per_step", "ttft_s", "ttft_overhead",
+    "mean_blocks_held", "blocks_per_request", "memory_efficiency", "decode_ms_per_step", "ttft_s", "ttft_overhead",
 ]
 
 
@@ -86,7 +88,7 @@ def run_one(args) -> dict:
     before = llm.get_metrics()
     preempt0 = metric_total(before, "vllm:num_preemptions")
     prompt0 = metric_total(before, "vllm:prompt_tokens")
-    running, usage, decode_steps, output_tokens = [], [], [], 0
+    running, usage, per_request, decode_steps, output_tokens = [], [], [], [], 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -96,6 +98,8 @@ def run_one(args) -> dict:
         metrics = llm.get_metrics()
         running.append(metric_total(metrics, "vllm:num_requests_running"))
         usage.append(metric_total(metrics, "vllm:kv_cache_usage_perc"))
+        if running[-1]:
+            per_request.append(usage[-1] * num_blocks / running[-1])
         prompt_now = metric_total(metrics, "vllm:prompt_tokens")
         if prompt_now == prompt0:
             decode_steps.append(elapsed)
@@ -110,6 +114,7 @@ def run_one(args) -> dict:
         "peak_running": int(max(running)),
         "preemptions": int(metric_total(after, "vllm:num_preemptions") - preempt0),
         "mean_blocks_held": statistics.fmean(usage) * num_blocks,
+        "blocks_per_request": statistics.fmean(per_request),
         "pool_blocks": num_blocks,
         "decode_ms_per_step": 1000 * statistics.fmean(decode_steps) if decode_steps else None,
         "ttft_s": ttft,
