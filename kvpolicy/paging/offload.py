@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpolicy.paging.block_pages import BlockPages
+
 
 class HostPagePool:
     """A pool of one-head pages outside vLLM's KV buffer (pinned memory when CUDA is present).
@@ -96,7 +98,7 @@ class SparseCall:
     seq_len: int
 
 
-class OffloadedRequest:
+class OffloadedRequest(BlockPages):
     """Where each (layer, kv head) of one request lives once its sparse layers are offloaded."""
 
     def __init__(
@@ -107,25 +109,14 @@ class OffloadedRequest:
         blocks: Sequence[int],
         full_layers: Sequence[bool],
     ):
-        self.layer_base = list(layer_base)
-        self.num_layers = len(self.layer_base)
-        self.num_heads = num_heads
-        self.block_size = block_size
+        super().__init__(layer_base, num_heads, block_size, blocks)
         self.full = list(full_layers)
-        self.blocks: list[int | None] = [int(b) for b in blocks]
         self.length = 0
         self.pages: list[list[list[int]]] = []  # full layers: every page; sparse layers: [tail page]
         self.host_pages: list[list[list[int]]] = []  # sparse layers: completed pages, in position order
         self.staging: list[list[list[int]]] = []  # sparse layers: [head][slot] device pages
         self.staged: list[list[int]] = []  # sparse layers: [slot] the context page index staged there, or -1
-        self.free: list[int] = []
         self.host_reserved = 0
-
-    def _page(self, layer: int, block: int, head: int) -> int:
-        return self.layer_base[layer] + block * self.num_heads + head
-
-    def _block_pages(self, block: int) -> list[int]:
-        return [self._page(layer, block, h) for layer in range(self.num_layers) for h in range(self.num_heads)]
 
     def offload(self, length: int, host: HostPagePool, staging_pages: int, max_length: int) -> OffloadPlan:
         """Plan the move of a request read in vLLM's stock layout (``length`` tokens) to the offloaded one.
@@ -192,12 +183,6 @@ class OffloadedRequest:
             staging.extend(self.free.pop() for _ in range(missing))
         self.staged[layer].extend([-1] * missing)
 
-    def add_blocks(self, blocks: Sequence[int]) -> None:
-        """Blocks vLLM appended as the request grew: all their pages are free."""
-        for block in blocks:
-            self.blocks.append(int(block))
-            self.free.extend(reversed(self._block_pages(int(block))))
-
     def append(self, host: HostPagePool) -> tuple[torch.Tensor, list[PageCopies]]:
         """Room for one new token in every (layer, head): its slots [layers, heads], and per layer the
         full tail pages to copy to the host before the token is written (they start a new page)."""
@@ -256,24 +241,8 @@ class OffloadedRequest:
         current = self.length - (math.ceil(self.length / self.block_size) - 1) * self.block_size
         return SparseCall(PageCopies.of(loads), table, len(completed) * self.block_size + current)
 
-    def release_tail(self, keep_blocks: int) -> int:
-        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
-        gone = set()
-        released = 0
-        for position in range(keep_blocks, len(self.blocks)):
-            block = self.blocks[position]
-            if block is not None:
-                gone.update(self._block_pages(block))
-                self.blocks[position] = None
-                released += 1
-        in_use = {p for tables in (self.pages, self.staging) for layer in tables for head in layer for p in head}
-        if gone & in_use:
-            raise RuntimeError("a released block still holds pages of the request")
-        self.free = [p for p in self.free if p not in gone]
-        return released
-
-    def live_blocks(self) -> int:
-        return sum(block is not None for block in self.blocks)
+    def pages_in_use(self) -> list[int]:
+        return [p for tables in (self.pages, self.staging) for layer in tables for head in layer for p in head]
 
     def host_page_ids(self) -> list[int]:
         return [p for layer in self.host_pages for head in layer for p in head]

@@ -1,10 +1,9 @@
 """Pages of a request whose layers keep different amounts (PoD), laid out over every layer's pages at once.
 
 A vLLM block spans every layer, so a layer that keeps less frees nothing
-unless its pages can serve other layers: page ids here are global over
-vLLM's one KV buffer (layer ``l``, block ``b``, head ``h`` is page
-``layer_base[l] + b*H + h``, as in ``offload.py``), and any page of a block
-the request keeps may hold any (layer, head).
+unless its pages can serve other layers: page ids are global over vLLM's one
+KV buffer (``BlockPages``), and any page of a block the request keeps may
+hold any (layer, head).
 
 Each (layer, head) has a *main* sequence of K/V tokens: every token in a
 layer that keeps distant keys, the proximal ones (sinks, recent window,
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpolicy.paging.block_pages import BlockPages
 from kvpolicy.paging.page_table import TokenMoves
 
 
@@ -44,30 +44,19 @@ class SharedLayoutPlan:
     keep_blocks: int
 
 
-class SharedPages:
+class SharedPages(BlockPages):
     """Where each (layer, kv head) of one PoD request lives: main K/V pages and packed distant values."""
 
     def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int],
                  keeps_distant_keys: np.ndarray):
         """``keeps_distant_keys`` [layers, heads]: the (layer, head) pairs that are the lowest of their block."""
-        self.layer_base = list(layer_base)
-        self.num_layers = len(self.layer_base)
-        self.num_heads = num_heads
-        self.block_size = block_size
+        super().__init__(layer_base, num_heads, block_size, blocks)
         self.keeps_keys = np.asarray(keeps_distant_keys, dtype=bool)
-        self.blocks: list[int | None] = [int(b) for b in blocks]
         self.lengths = np.zeros((self.num_layers, num_heads), dtype=np.int64)
         self.main: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(self.num_layers)]
         self.values: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(self.num_layers)]
         self.distant = (0, 0)  # [start, end) of the distant positions, fixed at layout
-        self.free: list[int] = []
         self.keep = len(self.blocks)
-
-    def _page(self, layer: int, block: int, head: int) -> int:
-        return self.layer_base[layer] + block * self.num_heads + head
-
-    def _block_pages(self, block: int) -> list[int]:
-        return [self._page(layer, block, h) for layer in range(self.num_layers) for h in range(self.num_heads)]
 
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)[positions // self.block_size]
@@ -120,12 +109,6 @@ class SharedPages:
             self.keep,
         )
 
-    def add_blocks(self, blocks: Sequence[int]) -> None:
-        """Blocks vLLM appended as the request grew: all their pages are free."""
-        for block in blocks:
-            self.blocks.append(int(block))
-            self.free.extend(reversed(self._block_pages(int(block))))
-
     def append(self) -> torch.Tensor:
         """Room for one new token in every (layer, head)'s main sequence: its slots, [layers, heads]."""
         bs = self.block_size
@@ -150,23 +133,8 @@ class SharedPages:
         """The blocks the layout packed into, plus one spare for decode growth (see ``layout``)."""
         return self.keep
 
-    def release_tail(self, keep_blocks: int) -> int:
-        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
-        gone, released = set(), 0
-        for position in range(keep_blocks, len(self.blocks)):
-            block = self.blocks[position]
-            if block is not None:
-                gone.update(self._block_pages(block))
-                self.blocks[position] = None
-                released += 1
-        in_use = {p for table in (self.main, self.values) for layer in table for head in layer for p in head}
-        if gone & in_use:
-            raise RuntimeError("a released block still holds pages of the request")
-        self.free = [p for p in self.free if p not in gone]
-        return released
-
-    def live_blocks(self) -> int:
-        return sum(block is not None for block in self.blocks)
+    def pages_in_use(self) -> list[int]:
+        return [p for table in (self.main, self.values) for layer in table for head in layer for p in head]
 
     def kept_tokens(self) -> int:
         """Token slots held: every main token, and one slot per pair of packed distant values."""

@@ -1,0 +1,56 @@
+"""A request's blocks viewed as one-head pages of vLLM's whole KV buffer, any of which may serve any layer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class BlockPages:
+    """The blocks one request holds, as pages of the global page space, and the free ones among them.
+
+    vLLM 0.32 keeps every layer's cache in one buffer; layer ``l``, block
+    ``b``, head ``h`` is page ``layer_base[l] + b*H + h``. A request whose
+    layers keep different amounts (OmniKV's host tier, PoD) packs its pages
+    into its first blocks and hands the rest back; subclasses say which
+    pages they use (``pages_in_use``).
+    """
+
+    def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int]):
+        self.layer_base = list(layer_base)
+        self.num_layers = len(self.layer_base)
+        self.num_heads = num_heads
+        self.block_size = block_size
+        self.blocks: list[int | None] = [int(b) for b in blocks]
+        self.free: list[int] = []
+
+    def _page(self, layer: int, block: int, head: int) -> int:
+        return self.layer_base[layer] + block * self.num_heads + head
+
+    def _block_pages(self, block: int) -> list[int]:
+        return [self._page(layer, block, h) for layer in range(self.num_layers) for h in range(self.num_heads)]
+
+    def pages_in_use(self) -> Iterable[int]:
+        raise NotImplementedError
+
+    def add_blocks(self, blocks: Sequence[int]) -> None:
+        """Blocks vLLM appended as the request grew: all their pages are free."""
+        for block in blocks:
+            self.blocks.append(int(block))
+            self.free.extend(reversed(self._block_pages(int(block))))
+
+    def release_tail(self, keep_blocks: int) -> int:
+        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+        gone, released = set(), 0
+        for position in range(keep_blocks, len(self.blocks)):
+            block = self.blocks[position]
+            if block is not None:
+                gone.update(self._block_pages(block))
+                self.blocks[position] = None
+                released += 1
+        if gone.intersection(self.pages_in_use()):
+            raise RuntimeError("a released block still holds pages of the request")
+        self.free = [p for p in self.free if p not in gone]
+        return released
+
+    def live_blocks(self) -> int:
+        return sum(block is not None for block in self.blocks)
