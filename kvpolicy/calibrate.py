@@ -82,6 +82,25 @@ def sample_windows(token_ids: list[int], count: int, length: int) -> list[int]:
     return [i * stride for i in range(count)]
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, length: int) -> None:
+    """``--model`` and ``--length``, as every command that runs a model over the essays reads them."""
+    parser.add_argument("--model", type=Path, default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
+    parser.add_argument("--length", type=int, default=length, help=f"tokens per window (default {length})")
+
+
+def model_label(path: Path | None) -> str:
+    return str(path or "SmolLM2-135M-Instruct (kvpolicy-model)")
+
+
+def provenance(module: str, argv: list[str], versions: dict) -> dict:
+    """The command that made a result and the machine it ran on (versions as strings: a checkpoint loads them
+    with ``weights_only``)."""
+    return {
+        "command": " ".join([f"python -m {module}", *argv]),
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], **{k: str(v) for k, v in versions.items()}},
+    }
+
+
 def load_model(path: Path | None):
     """(model, the essays' token ids, versions): an HF model in float32 with eager attention (it
     returns attention weights); ``path`` None prepares the default model."""
@@ -192,9 +211,8 @@ def plot(path: Path, rows: list[dict], similarity: torch.Tensor, threshold: floa
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvpolicy.calibrate", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
+    add_model_arguments(parser, length=2048)
     parser.add_argument("--prompts", type=int, default=4, help="sample windows of the essays (default 4)")
-    parser.add_argument("--length", type=int, default=2048, help="tokens per window (default 2048)")
     parser.add_argument("--top-k", type=int, default=256, help="tokens a layer selects (default 256)")
     parser.add_argument("--span", type=int, default=8, help="following layers a filter layer is scored on (default 8)")
     parser.add_argument("--threshold", type=float, default=0.8, help="self recall and filter ability L0 must reach (default 0.8)")
@@ -237,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nproposal: --kv-dense-layers {dense_layers} --kv-filter-layers {','.join(map(str, filter_layers)) or '(none)'}")
 
     payload = {
-        "command": " ".join(["python -m kvpolicy.calibrate", *argv]),
+        **provenance("kvpolicy.calibrate", argv, versions),
         "settings": {
-            "model": str(args.model or "SmolLM2-135M-Instruct (kvpolicy-model)"),
+            "model": model_label(args.model),
             "prompts": args.prompts,
             "length": args.length,
             "top_k": args.top_k,
@@ -248,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
             "window_starts": starts,
             "selector": "last token, max over query heads (eq. 4)",
         },
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], **versions},
         "seconds": round(seconds, 1),
         "layers": rows,
         "similarity": [[round(value, 5) for value in row] for row in similarity.tolist()],

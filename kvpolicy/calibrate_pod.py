@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvpolicy.calibrate import load_model, sample_windows
+from kvpolicy.calibrate import add_model_arguments, load_model, model_label, provenance, sample_windows
 from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers, js_similarity
 
 
@@ -76,9 +75,8 @@ def plot(path: Path, sim: torch.Tensor, groups: LayerGroups, delta: float) -> No
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvpolicy.calibrate_pod", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
+    add_model_arguments(parser, length=2048)
     parser.add_argument("--prompts", type=int, default=4, help="sample windows of the essays (default 4)")
-    parser.add_argument("--length", type=int, default=2048, help="tokens per window (default 2048)")
     parser.add_argument("--queries", type=int, default=32, help="last tokens whose attention rows are compared (default 32)")
     parser.add_argument("--delta", type=float, default=0.5, help="similarity a layer needs to join a block (default 0.5, the paper's)")
     parser.add_argument("--out", type=Path, default=DEFAULT_GROUPS, help=f"grouping JSON; a PNG goes beside it (default {DEFAULT_GROUPS})")
@@ -113,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
           + f" (n_s {pod.sink_tokens}, n_r {pod.recent_tokens})")
 
     payload = {
-        "command": " ".join(["python -m kvpolicy.calibrate_pod", *argv]),
+        **provenance("kvpolicy.calibrate_pod", argv, versions),
         "settings": {
-            "model": str(args.model or "SmolLM2-135M-Instruct (kvpolicy-model)"),
+            "model": model_label(args.model),
             "prompts": args.prompts,
             "length": args.length,
             "queries": args.queries,
@@ -123,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             "window_starts": starts,
             "similarity": "1 - Jensen-Shannon divergence (base 2), mean over rows, prompts and each KV head's query heads",
         },
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], **versions},
         "seconds": round(seconds, 1),
         "num_layers": groups.num_layers,
         "num_kv_heads": groups.num_heads,
