@@ -112,6 +112,24 @@ def prompts(lengths=PROMPT_LENS, vocab_size: int = 49152, seed: int = 0) -> list
     return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
+def generate_aborting(llm, token_lists, params, steps: int) -> list:
+    """Step the engine ``steps`` times, abort the longest request, then run the others to the end:
+    the outputs of the requests that finished, in submission order."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    for i, ids in enumerate(token_lists):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
+    longest = str(max(range(len(token_lists)), key=lambda i: len(token_lists[i])))
+    finished, step = {}, 0
+    while engine.has_unfinished_requests():
+        if step == steps:
+            engine.abort_request([longest])
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        step += 1
+    return [finished[key] for key in sorted(finished, key=int)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -132,6 +150,7 @@ def main() -> int:
     parser.add_argument("--pod-groups", default=None, help="pod: a layer grouping JSON (--kv-pod-groups)")
     parser.add_argument("--pod-tau", type=float, default=None, help="pod: --kv-pod-tau")
     parser.add_argument("--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)")
+    parser.add_argument("--abort-after", type=int, default=None, help="abort the longest request after this many steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -186,7 +205,10 @@ def main() -> int:
         else:
             WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompt_lens)], params, use_tqdm=False)
+    if args.abort_after is None:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompt_lens)], params, use_tqdm=False)
+    else:
+        outputs = generate_aborting(llm, prompts(args.prompt_lens), params, args.abort_after)
     result = [
         {
             "token_ids": list(o.outputs[0].token_ids),

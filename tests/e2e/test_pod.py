@@ -99,3 +99,12 @@ def test_pod_recomputes_after_preemption_and_returns_every_block(engine_run):
     assert run["counters"]["pod_layouts"] >= len(layout_lengths(200))
     assert all(len(r["token_ids"]) == 200 for r in run["requests"])
     assert run["kv_cache_usage_end"] == 0.0
+
+
+def test_pod_abort_in_decode_returns_every_block(engine_run):
+    """The longest prompt is aborted after it was laid out (every layout happened), mid-decode."""
+    run = engine_run(*POD, "--abort-after", "16")
+    assert run["counters"]["pod_layouts"] == len(layout_lengths())
+    assert len(run["requests"]) == len(PROMPT_LENS) - 1
+    assert all(len(r["token_ids"]) == MAX_TOKENS for r in run["requests"])
+    assert run["kv_cache_usage_end"] == 0.0
