@@ -56,8 +56,9 @@ FORCE_KEY = "force_token_ids"
 COLUMNS = ["policy", "budget", "top1_agreement", "mean_kl", "passkey_accuracy", "passkey_hits"]
 
 
-def run_engine(tasks: dict, policy: str, budgets: list[int]) -> dict:
-    """One engine, in this process: continuations (forced when a reference is given) and passkey answers."""
+def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) -> dict:
+    """One engine, in this process: continuations (forced when a reference is given) and passkey answers,
+    once per budget (once with none for stock and for a policy that takes no budget)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the logits processor class is defined here
     import kvpolicy.vllm  # noqa: F401
     from vllm import LLM, SamplingParams
@@ -87,13 +88,13 @@ def run_engine(tasks: dict, policy: str, budgets: list[int]) -> dict:
 
     stock = policy == "stock"
     llm = LLM(
-        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=4200, enable_prefix_caching=False,
+        model or str(prepare()), dtype="float32", enforce_eager=True, max_model_len=4200, enable_prefix_caching=False,
         max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0, logits_processors=[ForceTokens],
-        **({} if stock else {**policy_options(policy), "kv_budget": max(budgets)}),
+        **({} if stock else policy_options(policy)), **({"kv_budget": max(budgets)} if budgets else {}),
     )
     prompts, params, keys = [], [], []
-    for budget in [None] if stock else budgets:
-        extra = {} if stock else {"kv_budget": budget}
+    for budget in budgets or [None]:
+        extra = {} if budget is None else {"kv_budget": budget}
         for i, ids in enumerate(tasks["fidelity"]):
             forced = None if stock else {FORCE_KEY: tasks["reference"][i]}
             prompts.append(ids)
@@ -161,7 +162,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if subset:
                 ax.plot([r["budget"] for r in subset], [r[name] for r in subset], marker="o", label=policy)
             else:
-                ax.axhline(next(r[name] for r in rows if r["policy"] == policy), color="k", ls="--", label=policy)
+                ax.axhline(next(r[name] for r in rows if r["policy"] == policy), color="k" if policy == "full cache" else None, ls="--", label=policy)
         ax.set_xlabel("budget (tokens per KV head)")
         ax.set_title(name)
         ax.set_xscale("log", base=2)
@@ -180,6 +181,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 2, full 20)")
     parser.add_argument("--depths", nargs="+", type=float, default=None, help="passkey depths (quick 0.5, full 5)")
     parser.add_argument("--out", type=Path, default=None, help="default: results/fidelity.json (quick: fidelity_quick.json)")
+    parser.add_argument("--model", default=None, help="HF model folder, full cache included (default: the prepared SmolLM2-135M-Instruct)")
     parser.add_argument("--run-one", nargs=3, metavar=("TASKS", "POLICY", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--run-budgets", nargs="+", type=int, default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -187,20 +189,21 @@ def main() -> int:
     if args.run_one:
         tasks_path, policy, out = args.run_one
         tasks = json.loads(Path(tasks_path).read_text())
-        Path(out).write_text(json.dumps(run_engine(tasks, policy, args.run_budgets)))
+        Path(out).write_text(json.dumps(run_engine(tasks, policy, args.run_budgets, args.model)))
         return 0
 
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from kvpolicy.model import prepare
+    from kvpolicy.policies import POLICIES
 
     out = args.out or RESULTS_DIR / ("fidelity_quick.json" if args.quick else "fidelity.json")
     policies = args.policies or (QUICK_POLICIES if args.quick else POLICIES + ABLATIONS)
     count = args.prompts or (2 if args.quick else 20)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
     depths = args.depths or ([0.5] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
-    tokenizer = AutoTokenizer.from_pretrained(str(prepare()))
+    tokenizer = AutoTokenizer.from_pretrained(args.model or str(prepare()))
     lengths = [round(2048 + i * (4000 - 2048) / max(count - 1, 1)) for i in range(count)]
     tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths, PASSKEY_LEN)}
 
@@ -210,12 +213,14 @@ def main() -> int:
 
     def engine(policy: str, run_budgets: list[int]) -> dict:
         """One engine's results; kept in ``work`` under a digest of its inputs, so a rerun resumes."""
-        inputs = json.dumps([tasks, policy, run_budgets], sort_keys=True)
+        inputs = json.dumps([tasks, policy, run_budgets, args.model], sort_keys=True)
         cached = work / f"{policy}-{hashlib.sha256(inputs.encode()).hexdigest()[:12]}.json"
         if cached.exists():
             return json.loads(cached.read_text())
         tasks_path.write_text(json.dumps(tasks))
         cmd = [sys.executable, __file__, "--run-one", str(tasks_path), policy, str(cached)]
+        if args.model:
+            cmd += ["--model", args.model]
         proc = subprocess.run(cmd + ["--run-budgets", *map(str, run_budgets)] if run_budgets else cmd,
                               capture_output=True, text=True)
         if proc.returncode != 0:
@@ -231,9 +236,10 @@ def main() -> int:
         rows.append({"policy": "full cache", "budget": None, "top1_agreement": 1.0, "mean_kl": 0.0,
                      **passkey_row(full["passkey"]["None"], tasks["passkey"])})
         for policy in policies:
-            result = engine(policy, budgets)
+            policy_budgets = budgets if POLICIES[policy.partition(":")[0]].needs_budget else []
+            result = engine(policy, policy_budgets)
             progress.update()
-            for budget in budgets:
+            for budget in policy_budgets or [None]:
                 rows.append({"policy": policy, "budget": budget,
                              **fidelity_row(reference, result["fidelity"][str(budget)]),
                              **passkey_row(result["passkey"][str(budget)], tasks["passkey"])})
@@ -244,6 +250,7 @@ def main() -> int:
     settings = {
         "prompt_lens": lengths, "continuation": CONTINUATION, "top_logprobs": TOP_LOGPROBS,
         "passkey_len": PASSKEY_LEN, "passkey_depths": depths, "prefill_chunk": PREFILL_CHUNK, "quick": args.quick,
+        "model": args.model or "SmolLM2-135M-Instruct (kvpolicy-model)",
     }
     write_results(out, settings, rows, COLUMNS, plot)
     return 0

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, policy_options, write_results  # noqa: E402
 
 #: "stock" is vLLM without kvpolicy options; "none" is kvpolicy installed with --kv-policy none.
 FULL_POLICIES = ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"]
@@ -52,8 +52,9 @@ def run_one(args) -> dict:
     from kvpolicy.model import prepare
     from kvpolicy.policies import POLICIES
 
-    policy = {} if args.policy == "stock" else {"kv_policy": args.policy}
-    if args.budget and args.policy not in UNBUDGETED:
+    name = args.policy.partition(":")[0]
+    policy = {} if name == "stock" else policy_options(args.policy)
+    if args.budget and name not in UNBUDGETED:
         policy["kv_budget"] = args.budget
     llm = LLM(
         str(prepare()), dtype="float32", enforce_eager=True, max_model_len=args.ttft_len + 64,
@@ -75,7 +76,7 @@ def run_one(args) -> dict:
 
     # The same prompt with a per-request budget of its whole length takes vLLM's stock path in this
     # engine: the compression's own cost, free of the drift between engines on a shared machine.
-    compares = args.policy not in UNBUDGETED and not POLICIES[args.policy].evicts_while_reading
+    compares = name not in UNBUDGETED and not POLICIES[name].evicts_while_reading
     # The engine's first prompt of this length runs about 10% slower than later ones: run it untimed.
     time_to_first_token(**({"kv_budget": args.ttft_len} if compares else {}))
     ttft_whole = time_to_first_token(kv_budget=args.ttft_len) if compares else None
@@ -108,7 +109,7 @@ def run_one(args) -> dict:
     after = llm.get_metrics()
     return {
         "policy": args.policy,
-        "budget": args.budget if args.policy not in UNBUDGETED else None,
+        "budget": args.budget if name not in UNBUDGETED else None,
         "output_len": args.output_len,
         "output_tokens_per_s": output_tokens / wall,
         "peak_running": int(max(running)),
@@ -127,6 +128,12 @@ def run_one(args) -> dict:
             else None
         ),
         "free_blocks_restored": metric_total(after, "vllm:kv_cache_usage_perc") == 0.0,
+        # pod: the share of (query head, layer) pairs whose distant part --kv-pod-tau skipped.
+        "pod_distant_skipped": (
+            metric_total(after, "vllm:kvpolicy_pod_distant_skipped") / evaluated
+            if (evaluated := metric_total(after, "vllm:kvpolicy_pod_distant_evaluated"))
+            else None
+        ),
     }
 
 
@@ -154,7 +161,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="budget 256 and 128 output tokens only")
-    parser.add_argument("--policies", nargs="+", default=None, help=f"default: all (quick: {' '.join(QUICK_POLICIES)})")
+    parser.add_argument("--policies", nargs="+", default=None,
+                        help=f"name[:option=value,...], e.g. pod:pod_tau=0.7; default: all (quick: {' '.join(QUICK_POLICIES)})")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--output-lens", nargs="+", type=int, default=None)
     parser.add_argument("--requests", type=int, default=None, help="concurrent requests (quick 5, full 16)")
@@ -184,7 +192,7 @@ def main() -> int:
         (policy, budget, output_len)
         for output_len in output_lens
         for policy in policies
-        for budget in ([None] if policy in UNBUDGETED else budgets)
+        for budget in ([None] if policy.partition(":")[0] in UNBUDGETED else budgets)
     ]
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
