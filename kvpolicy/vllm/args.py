@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("pool_kernel", int, defaults.pool_kernel, "max-pooling kernel over token scores"),
         ("sink_tokens", int, None, "attention-sink tokens always kept (default: streaming, d2o 4; pod 16, the paper's n_s)"),
         ("recent_tokens", int, None,
-         "most recent tokens always kept (default: h2o, d2o 64; pod 1008, proximal = 1/8 of the default model's 8K "
+         "most recent tokens always kept (default: h2o 64; pod 1008, proximal = 1/8 of the default model's 8K "
          "context as the paper's 4096 of 32K)"),
         ("merge", _boolean, defaults.merge, "d2o: merge evicted tokens into their nearest kept ones (false: evict only)"),
         ("alpha", float, defaults.alpha,
