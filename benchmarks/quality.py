@@ -16,7 +16,8 @@ papers report (``0.75``: a quarter of each prompt kept, the budget
 request (``kv_budget`` in the request's ``extra_args``), so each policy is one
 engine, in its own process (``--jobs`` of them at once: the CPU engine uses
 one core), reading prompts in chunks of ``PREFILL_CHUNK`` tokens (keydiff
-evicts after each). A policy spec may name its own budget, ``omnikv@0.7``.
+evicts after each). A policy spec may name its own budget, ``omnikv@0.7``, or
+none, ``pod@full`` (a policy that takes no budget; drawn as a level).
 Every (policy, budget) cell is saved in
 ``<out>.work/`` as soon as its engine has answered it, under a digest of its
 prompts: an interrupted or extended run computes only the cells it lacks.
@@ -164,10 +165,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(kinds), len(tasks), figsize=(3.6 * len(tasks), 3.2 * len(kinds)), squeeze=False)
     for row_axes, kind in zip(axes, kinds):
         for ax, task in zip(row_axes, tasks):
-            for policy in dict.fromkeys(r["policy"] for r in summary if r["policy"] != "none"):
+            for i, policy in enumerate(dict.fromkeys(r["policy"] for r in summary if r["policy"] != "none")):
                 points = sorted((r[kind], r[task]) for r in summary if r["policy"] == policy and r[kind] is not None)
+                unbudgeted = [r[task] for r in summary if r["policy"] == policy and r["budget"] is r["ratio"] is None]
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=policy)
+                    ax.plot(*zip(*points), marker="o", color=f"C{i}", label=policy)
+                elif unbudgeted:  # a policy that takes no budget (pod@full): one level
+                    ax.axhline(unbudgeted[0], ls=":", color=f"C{i}", label=policy)
             full = next(r[task] for r in summary if r["policy"] == "none")
             ax.axhline(full, color="k", ls="--", label="full cache")
             contexts = sorted(c for t, c in reliable if t == task)
@@ -291,7 +295,7 @@ def main() -> int:
             settings[key] = getattr(args, key)
     grid = policy_grid(settings["policies"], settings["budgets"])
     for label in {b for _, budgets in grid for b in budgets}:
-        if float(label) <= 0:
+        if label != FULL_CACHE and float(label) <= 0:
             raise SystemExit(f"budget {label}: give a token count or a compression ratio in (0, 1)")
     if max(settings["lengths"]) + ANSWER_TOKENS > MAX_MODEL_LEN:
         raise SystemExit(f"prompt lengths must leave {ANSWER_TOKENS} tokens under {MAX_MODEL_LEN}")
