@@ -88,7 +88,7 @@ def request_budget(label: str, prompt_len: int, policy: str = "none", num_layers
     return round((1 - fields["ratio"]) * prompt_len)
 
 
-def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[str, str]) -> None:
+def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[str, str], model: str | None) -> None:
     """One engine, in this process; each budget's answers are written to ``cells[budget]`` once they are in."""
     import kvpolicy.vllm  # noqa: F401
     from transformers import AutoConfig
@@ -97,11 +97,12 @@ def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[s
 
     from kvpolicy.model import prepare
 
-    num_layers = AutoConfig.from_pretrained(str(prepare())).num_hidden_layers
+    model = model or str(prepare())
+    num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
     largest = max((request_budget(b, len(item["ids"]), policy, num_layers)
                    for b in budgets if b != FULL_CACHE for item in items), default=None)
     llm = LLM(
-        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
+        model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
         max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0,
         **policy_options(policy), **({"kv_budget": largest} if largest else {}),
     )
@@ -195,18 +196,18 @@ THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskItem], progress,
-                 core: int | None = None) -> list[dict]:
+                 core: int | None = None, model: str | None = None) -> list[dict]:
     """A policy's accuracy rows at each budget; cells already in ``work`` are read, the rest answered by one
-    engine (bound to ``core`` when given)."""
+    engine (bound to ``core`` when given) of ``model`` (None: the default model)."""
     payload = [asdict(item) for item in items]
-    digest = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps(payload if model is None else [payload, model]).encode()).hexdigest()[:12]
     cells = {b: work / f"{policy}@{b}-{digest}.json" for b in budgets}
     missing = [b for b in budgets if not cells[b].exists()]
     progress.update(len(budgets) - len(missing))
     if missing:
         job = work / f"job-{policy}-{digest}.json"
         write_json(job, {"items": payload, "policy": policy, "budgets": missing,
-                         "cells": {b: str(cells[b]) for b in missing}})
+                         "cells": {b: str(cells[b]) for b in missing}, "model": model})
         env = None if core is None else {**os.environ, THREADS_BIND_ENV: str(core)}
         proc = subprocess.run([sys.executable, __file__, "--run-one", str(job)], env=env)
         if proc.returncode != 0:
@@ -225,7 +226,7 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
 
 
 def answer_in_parallel(work: Path, grid: list[tuple[str, list[str]]], items: list[TaskItem], progress,
-                       jobs: int) -> list[dict]:
+                       jobs: int, model: str | None = None) -> list[dict]:
     """``answer_cells`` for every policy of ``grid``, ``jobs`` engines at a time, each bound to a core of its own
     (unless ``VLLM_CPU_OMP_THREADS_BIND`` is set or one job runs); rows in grid order."""
     cores: queue.Queue = queue.Queue()
@@ -235,7 +236,7 @@ def answer_in_parallel(work: Path, grid: list[tuple[str, list[str]]], items: lis
     def answer(cell: tuple[str, list[str]]) -> list[dict]:
         core = cores.get()
         try:
-            return answer_cells(work, *cell, items, progress, core)
+            return answer_cells(work, *cell, items, progress, core, model)
         finally:
             cores.put(core)
 
@@ -258,7 +259,7 @@ def build_items(settings: dict) -> list[TaskItem]:
     from benchmarks.tasks import TaskBuilder
     from kvpolicy.model import prepare
 
-    builder = TaskBuilder(AutoTokenizer.from_pretrained(str(prepare())))
+    builder = TaskBuilder(AutoTokenizer.from_pretrained(settings["model"] or str(prepare())))
     return [builder.build(task, length, depth, seed)
             for task in settings["tasks"] for length in settings["lengths"]
             for depth in settings["depths"]
@@ -279,17 +280,18 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="engines at once, each on its own core (default: one per core)")
     parser.add_argument("--out", type=Path, help="default: results/quality.json (quick: quality_quick.json)")
+    parser.add_argument("--model", default=None, help="HF model folder, full cache included (default: the prepared SmolLM2-135M-Instruct)")
     parser.add_argument("--run-one", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.run_one:
         job = json.loads(args.run_one.read_text())
-        run_engine(job["items"], job["policy"], job["budgets"], job["cells"])
+        run_engine(job["items"], job["policy"], job["budgets"], job["cells"], job.get("model"))
         return 0
 
     from tqdm import tqdm
 
-    settings = {**(QUICK if args.quick else FULL), "quick": args.quick}
+    settings = {**(QUICK if args.quick else FULL), "quick": args.quick, "model": args.model}
     for key in ("policies", "budgets", "tasks", "lengths", "depths", "seeds", "first_seed"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -304,12 +306,12 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     items = build_items(settings)
     with tqdm(total=1 + sum(len(b) for _, b in grid), desc="cells (policy x budget)", unit="cell") as progress:
-        rows = answer_cells(work, "none", [FULL_CACHE], items, progress)
+        rows = answer_cells(work, "none", [FULL_CACHE], items, progress, model=args.model)
         reliable = reliable_cells(rows)
         solved = [item for item in items if (item.task, item.length) in reliable]
         if not solved:
             print("the full cache solves no task x context reliably: no policy is run", file=sys.stderr)
-        rows += answer_in_parallel(work, grid if solved else [], solved, progress, args.jobs)
+        rows += answer_in_parallel(work, grid if solved else [], solved, progress, args.jobs, args.model)
     settings["reliable"] = RELIABLE
     write_results(out, settings, rows, COLUMNS, plot, table=tables)
     return 0
