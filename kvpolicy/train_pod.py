@@ -74,7 +74,7 @@ class SharedAttention:
         self.lowest = groups.lowest()
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens
-        self.reused = {(low, head) for layer, row in enumerate(self.lowest) for head, low in enumerate(row) if low != layer}
+        self.reused = groups.reused()
         self.stored: dict[tuple[int, int], torch.Tensor] = {}
 
     def masks(self, queries: int, keys: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvpolicy.paging.block_pages import BlockPages
-from kvpolicy.paging.page_table import TokenMoves
+from kvpolicy.paging.page_table import TokenMoves, stock_slots
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,10 @@ class SharedPages(BlockPages):
         self.keep = len(self.blocks)
 
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
-        blocks = torch.tensor(self.blocks, dtype=torch.int64)[positions // self.block_size]
-        pages = self.layer_base[layer] + blocks * self.num_heads + head
-        return pages * self.block_size + positions % self.block_size
+        """Global slots of ``positions`` of one (layer, head) in vLLM's stock layout."""
+        blocks = torch.tensor(self.blocks, dtype=torch.int64)
+        slots = stock_slots(blocks, self.num_heads, self.block_size, positions, torch.tensor([head]))[0]
+        return slots + self.layer_base[layer] * self.block_size
 
     @staticmethod
     def _slots(pages: list[int], count: int, block_size: int) -> torch.Tensor:

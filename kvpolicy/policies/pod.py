@@ -91,10 +91,17 @@ class LayerGroups:
                     table[layer][head] = block[0]
         return table
 
+    def keeps_distant_keys(self) -> list[list[bool]]:
+        """[layer][head]: whether the (layer, head) is the lowest of its block, the only pairs that keep distant keys."""
+        return [[low == layer for low in row] for layer, row in enumerate(self.lowest())]
+
+    def reused(self) -> set[tuple[int, int]]:
+        """The (layer, head) pairs whose distant logits some layer above reads."""
+        return {(low, head) for layer, row in enumerate(self.lowest()) for head, low in enumerate(row) if low != layer}
+
     def shared_fraction(self) -> float:
         """Share of (layer, head) pairs that reuse a lower layer's scores, i.e. keep no distant keys."""
-        lowest = self.lowest()
-        shared = sum(lowest[layer][head] != layer for layer in range(self.num_layers) for head in range(self.num_heads))
+        shared = sum(not keeps for row in self.keeps_distant_keys() for keeps in row)
         return shared / (self.num_layers * self.num_heads)
 
     @classmethod

@@ -19,7 +19,7 @@ import functools
 import numpy as np
 import torch
 
-from kvpolicy.policies.pod import proximal_gate, shared_attention
+from kvpolicy.policies.pod import LayerGroups, proximal_gate, shared_attention
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import SharedBatch, SharingStep
@@ -30,18 +30,20 @@ class SharingPath:
         self.ops = ops
 
     @functools.cached_property
+    def _groups(self) -> LayerGroups:
+        return WORKER_STATE.policy.layer_groups()
+
+    @functools.cached_property
     def _lowest(self) -> np.ndarray:
         """[layer, head]: the lowest layer of the block each (layer, head) belongs to."""
-        return np.array(WORKER_STATE.policy.layer_groups().lowest())
+        return np.array(self._groups.lowest())
 
     @functools.cached_property
     def _shared_from(self) -> np.ndarray:
         """[layer, head]: whether some layer above reuses this (layer, head)'s distant logits."""
-        lowest = self._lowest
-        layers = np.arange(lowest.shape[0])[:, None]
-        used = np.zeros_like(lowest, dtype=bool)
-        for layer, head in np.argwhere(lowest != layers):
-            used[lowest[layer, head], head] = True
+        used = np.zeros_like(self._lowest, dtype=bool)
+        for layer, head in self._groups.reused():
+            used[layer, head] = True
         return used
 
     def write(self, layer, layer_idx: int, key, value, shared: SharedBatch) -> None:

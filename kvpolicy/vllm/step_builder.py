@@ -146,8 +146,7 @@ class StepBuilder:
     @functools.cached_property
     def _keeps_distant_keys(self) -> np.ndarray:
         """[layers, heads]: PoD's (layer, head) pairs that are the lowest of their block."""
-        lowest = np.array(WORKER_STATE.policy.layer_groups().lowest())
-        return lowest == np.arange(self.num_layers)[:, None]
+        return np.array(WORKER_STATE.policy.layer_groups().keeps_distant_keys())
 
     def _sharing(self, batch: HostBatch) -> SharingStep | None:
         """PoD: decode rows of laid-out requests attend on the sharing path; a request whose computed

@@ -33,7 +33,7 @@ def single_layer_groups(tmp_path_factory):
 
 def expected_released_blocks(groups: LayerGroups, lengths) -> int:
     """The blocks the layout frees, from the grouping: pages of every (layer, head), packed, plus a spare block."""
-    keeps = np.array(groups.lowest()) == np.arange(groups.num_layers)[:, None]
+    keeps = np.array(groups.keeps_distant_keys())
     released = 0
     for n in lengths:
         start, end = PoD(recent_tokens=RECENT).distant_range(n)
