@@ -2,7 +2,7 @@
 
 from kvpolicy.paging.layout import PageLayout
 from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall
-from kvpolicy.paging.page_table import RequestPages, TokenMoves, stock_slots
+from kvpolicy.paging.page_table import RequestPages, TokenMoves, stock_slots, write_order
 from kvpolicy.paging.shared import SharedLayoutPlan, SharedPages, ValuePairs
 
 __all__ = [
@@ -18,4 +18,5 @@ __all__ = [
     "TokenMoves",
     "ValuePairs",
     "stock_slots",
+    "write_order",
 ]

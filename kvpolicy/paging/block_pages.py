@@ -38,12 +38,11 @@ class BlockPages:
             self.blocks.append(int(block))
             self.free.extend(reversed(self._block_pages(int(block))))
 
-    def release_tail(self, keep_blocks: int) -> int:
-        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+    def release_except(self, keep: set[int]) -> int:
+        """Stop using every block-table position not in ``keep``; returns how many were live."""
         gone, released = set(), 0
-        for position in range(keep_blocks, len(self.blocks)):
-            block = self.blocks[position]
-            if block is not None:
+        for position, block in enumerate(self.blocks):
+            if block is not None and position not in keep:
                 gone.update(self._block_pages(block))
                 self.blocks[position] = None
                 released += 1
@@ -51,6 +50,10 @@ class BlockPages:
             raise RuntimeError("a released block still holds pages of the request")
         self.free = [p for p in self.free if p not in gone]
         return released
+
+    def release_tail(self, keep_blocks: int) -> int:
+        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+        return self.release_except(set(range(keep_blocks)))
 
     def live_blocks(self) -> int:
         return sum(block is not None for block in self.blocks)

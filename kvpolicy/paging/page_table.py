@@ -4,8 +4,11 @@ vLLM gives a request whole blocks; one block id covers every layer and every
 KV head. Viewing a layer's cache as one-head pages, block ``b`` holds pages
 ``b*H .. b*H+H-1`` and any of them may serve any head of that request. A
 relocated request packs each layer's kept tokens densely, head after head,
-into the pages of its first blocks, so the blocks at the end are the ones a
-compressing policy can hand back.
+into the pages of its first writable blocks, so the others are the ones a
+compressing policy can hand back. With prefix caching, the blocks other
+requests read are never written, and those still in the prefix cache are
+written last, from the end of the prompt (``write_order``), so a shared
+prefix keeps as many cached blocks as it can.
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ def stock_slots(blocks: torch.Tensor, num_heads: int, block_size: int, positions
     return (pages + heads[:, None]) * block_size + positions % block_size
 
 
+def write_order(num_blocks: int, shared: Sequence[int] = (), cached: Sequence[int] = ()) -> list[int]:
+    """Block-table positions relocation may write, in the order to fill them: blocks only this
+    request knows first, then its blocks in the prefix cache from the last back (a later prompt
+    sharing a prefix hits its first blocks); never ``shared`` ones, which other requests read."""
+    skip, last = set(shared), set(cached)
+    own = [p for p in range(num_blocks) if p not in skip and p not in last]
+    return own + sorted(last - skip, reverse=True)
+
+
 @dataclass(frozen=True)
 class TokenMoves:
     """One layer's relocation: the token at ``src[i]`` moves to ``dst[i]``.
@@ -41,7 +53,10 @@ class TokenMoves:
 class RequestPages:
     """Per-(layer, kv head) pages and physical lengths of one request."""
 
-    def __init__(self, num_layers: int, num_heads: int, block_size: int, blocks: Sequence[int]):
+    def __init__(self, num_layers: int, num_heads: int, block_size: int, blocks: Sequence[int],
+                 order: Sequence[int] | None = None):
+        """``order``: the block-table positions relocation may write, in the order it fills them
+        (``write_order``); by default every block, in table order."""
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.block_size = block_size
@@ -53,21 +68,25 @@ class RequestPages:
         self.free: list[list[int]] = [[] for _ in range(num_layers)]
         self.relocated = [False] * num_layers
         self._table: np.ndarray | None = None  # head_pages as an array; None once pages change
-        self.add_blocks(blocks)
+        self.order: list[int] = list(range(len(blocks)) if order is None else order)
+        self.add_blocks(blocks, writable=False)
 
     def _pages_of(self, block: int) -> list[int]:
         return [block * self.num_heads + h for h in range(self.num_heads)]
 
-    def add_blocks(self, blocks: Sequence[int]) -> None:
-        """Blocks vLLM appended to the request: their pages are free in every layer."""
+    def add_blocks(self, blocks: Sequence[int], writable: bool = True) -> None:
+        """Blocks vLLM appended to the request: new, so writable, and their pages free in every layer."""
         for block in blocks:
+            if writable:
+                self.order.append(len(self.blocks))
             self.blocks.append(int(block))
             pages = self._pages_of(int(block))
             for free in self.free:
                 free.extend(pages)
 
     def _live_pool(self) -> list[int]:
-        return [p for block in self.blocks if block is not None for p in self._pages_of(block)]
+        """Pages relocation may write, in the order it fills them."""
+        return [p for pos in self.order if self.blocks[pos] is not None for p in self._pages_of(self.blocks[pos])]
 
     def _stock_slots(self, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
@@ -95,7 +114,7 @@ class RequestPages:
         counts = [int(kept.numel()) for kept in keep]
         needed = [math.ceil(n / self.block_size) for n in counts]
         if sum(needed) > len(pool):
-            raise ValueError(f"layer {layer} keeps more tokens than the request's {len(self.blocks)} blocks hold")
+            raise ValueError(f"layer {layer} keeps more tokens than the request's {len(self.order)} writable blocks hold")
         dst, cursor = [], 0
         for head, (n, n_pages) in enumerate(zip(counts, needed)):
             self.head_pages[layer][head] = pool[cursor : cursor + n_pages]
@@ -127,23 +146,24 @@ class RequestPages:
         self.lengths += count
         return (page_ids * self.block_size + positions % self.block_size).transpose(0, 2, 1)
 
-    def blocks_needed(self) -> int:
-        """Blocks to hold after relocation: the fullest layer's pages, plus one spare block.
+    def blocks_to_keep(self) -> set[int]:
+        """Block-table positions to hold after relocation: the fullest layer's pages, plus one spare block.
 
-        Pages are packed from the front, so a layer using ``p`` pages needs the
-        first ``ceil(p / H)`` blocks. The spare block covers decode growth:
-        vLLM appends one block (H pages per layer) every ``block_size`` logical
-        tokens, but heads reach a page boundary at different steps.
+        Pages are packed in ``order``, so a layer using ``p`` pages needs the
+        first ``ceil(p / H)`` blocks of it. The spare block covers decode
+        growth: vLLM appends one block (H pages per layer) every
+        ``block_size`` logical tokens, but heads reach a page boundary at
+        different steps.
         """
         used = max(sum(len(pages) for pages in layer) for layer in self.head_pages)
-        return min(math.ceil(used / self.num_heads) + 1, len(self.blocks))
+        live = [pos for pos in self.order if self.blocks[pos] is not None]
+        return set(live[: math.ceil(used / self.num_heads) + 1])
 
-    def release_tail(self, keep_blocks: int) -> int:
-        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+    def release_except(self, keep: set[int]) -> int:
+        """Stop using every block-table position not in ``keep``; returns how many were live."""
         released = 0
-        for position in range(keep_blocks, len(self.blocks)):
-            block = self.blocks[position]
-            if block is None:
+        for position, block in enumerate(self.blocks):
+            if block is None or position in keep:
                 continue
             gone = set(self._pages_of(block))
             for layer, free in enumerate(self.free):
@@ -153,6 +173,10 @@ class RequestPages:
             self.blocks[position] = None
             released += 1
         return released
+
+    def release_tail(self, keep_blocks: int) -> int:
+        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
+        return self.release_except(set(range(keep_blocks)))
 
     def live_blocks(self) -> int:
         """Blocks the request holds now (released ones excluded)."""

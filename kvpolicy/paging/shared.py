@@ -130,9 +130,9 @@ class SharedPages(BlockPages):
         """The slots holding a sharing (layer, head)'s distant values, two per slot."""
         return self._slots(self.values[layer][head], math.ceil(self.num_distant / 2), self.block_size)
 
-    def blocks_needed(self) -> int:
+    def blocks_to_keep(self) -> set[int]:
         """The blocks the layout packed into, plus one spare for decode growth (see ``layout``)."""
-        return self.keep
+        return set(range(self.keep))
 
     def pages_in_use(self) -> list[int]:
         return [p for table in (self.main, self.values) for layer in table for head in layer for p in head]

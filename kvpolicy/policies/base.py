@@ -113,6 +113,19 @@ class Policy:
     def family_name(cls) -> str:
         return cls.family or cls.name
 
+    def layer_token_bound(self, budget: int | None, prompt_len: int, num_heads: int) -> int:
+        """The most (token, head) entries one layer keeps of a prompt: ``budget`` per head on average,
+        and one more per head for rounding. Policies that move budget across layers say more."""
+        kept = prompt_len if budget is None else min(budget + 1, prompt_len)
+        return num_heads * kept
+
+    @classmethod
+    def reads_prefix_cache(cls) -> bool:
+        """Whether a prompt may start from prefix-cache hits. Not when every prompt query is scored
+        (H2O, D2O: a hit skips computing some), nor when the prompt is evicted chunk by chunk
+        (KeyDiff: what it keeps depends on where its chunks end, and a hit moves them)."""
+        return not (cls.needs_queries or cls.evicts_while_reading)
+
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""
         raise NotImplementedError

@@ -106,7 +106,9 @@ class SnapKV(Policy):
             return self.keep_all(prompt)
         scores = self.scores(prompt)
         counts = self.capacities(prompt, budget, scores)
-        return _keep_top(scores, counts, prompt.num_tokens, self.window)
+        # Fewer window queries than ``window`` when a prefix-cache hit reached into the window
+        # (the engine computed only the rest): the window is what was observed.
+        return _keep_top(scores, counts, prompt.num_tokens, prompt.window_queries.shape[1])
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,10 @@ class PyramidKV(SnapKV):
 
     def capacities(self, prompt, budget, scores):
         return [self.layer_capacity(prompt, budget)] * prompt.num_heads
+
+    def layer_token_bound(self, budget, prompt_len, num_heads):
+        """The lowest layer keeps the most: under twice the mean capacity, plus the window."""
+        return num_heads * min(2 * budget + 1, prompt_len)
 
 
 @dataclass(frozen=True)

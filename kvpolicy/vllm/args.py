@@ -160,13 +160,7 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         )
     worker_cls = _platform_worker(engine_args, config)
     if config.rewrites_blocks:
-        if engine_args.enable_prefix_caching:
-            what = f"--kv-policy {config.policy}" + (" --kv-offload" if config.offload is not None else "")
-            raise KVPolicyConfigError(
-                f"{what} relocates KV pages, which prefix caching would share "
-                "between requests; drop --enable-prefix-caching"
-            )
-        engine_args.enable_prefix_caching = False
+        _prepare_prefix_caching(engine_args, config)
         if engine_args.speculative_config:
             raise KVPolicyConfigError(f"--kv-policy {config.policy} does not support speculative decoding")
         if POLICIES[config.policy].evicts_while_reading:
@@ -187,6 +181,31 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
     if engine_args.worker_cls not in ("auto", worker_cls):
         raise KVPolicyConfigError("--kv-policy needs its own worker class; drop --worker-cls")
     engine_args.worker_cls = worker_cls
+
+
+def _prepare_prefix_caching(engine_args: EngineArgs, config: KVPolicyConfig) -> None:
+    """Prefix caching stays as asked (vLLM's default: on) for policies that relocate within a
+    request's own blocks (``connector.py`` keeps cached and shared blocks intact). PoD's layout
+    and OmniKV's host tier move pages across every block of a request: for them it is off."""
+    policy = POLICIES[config.policy]
+    if policy.shares_scores or config.offload is not None:
+        if engine_args.enable_prefix_caching:
+            what = f"--kv-policy {config.policy}" + (" --kv-offload" if config.offload is not None else "")
+            raise KVPolicyConfigError(
+                f"{what} lays KV pages out over every block of a request, which prefix caching would share "
+                "between requests; drop --enable-prefix-caching"
+            )
+        engine_args.enable_prefix_caching = False
+        return
+    if engine_args.enable_prefix_caching is False:
+        return
+    # The scheduler must learn which blocks a step relocated before it schedules the next one.
+    if engine_args.async_scheduling:
+        raise KVPolicyConfigError(
+            f"--kv-policy {config.policy} with prefix caching needs vLLM's synchronous scheduler; "
+            "drop --async-scheduling (or add --no-enable-prefix-caching)"
+        )
+    engine_args.async_scheduling = False
 
 
 def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
@@ -305,11 +324,13 @@ def patch_engine_args() -> None:
     @functools.wraps(original_validate)
     def _validate_params(self, params, *args, **kwargs):
         result = original_validate(self, params, *args, **kwargs)
+        config = stored_config(self.vllm_config.additional_config)
+        if isinstance(params, SamplingParams) and config is not None and not POLICIES[config.policy].reads_prefix_cache():
+            params.skip_reading_prefix_cache = True
         extra = params.extra_args if isinstance(params, SamplingParams) else None
         if extra and any(key.startswith("kv_") for key in extra):
-            config = stored_config(self.vllm_config.additional_config) or KVPolicyConfig()
             try:
-                config.check_request_options(extra, self.model_config.max_model_len)
+                (config or KVPolicyConfig()).check_request_options(extra, self.model_config.max_model_len)
             except KVPolicyConfigError as exc:
                 raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
         return result

@@ -4,11 +4,19 @@ It loads and saves nothing (no KV delivery); vLLM's own scheduler stays in
 charge. Workers hand the scheduler the blocks compressed requests no longer
 need, and report their counters and memory snapshot as connector stats
 (``metrics.py``).
+
+With prefix caching, the scheduler tells the workers, each step, which blocks
+of a prompt being read other requests also read (never written) and which are
+in the prefix cache (written last). Before the next step is scheduled (vLLM's
+CPU scheduler is synchronous; kvpolicy turns async scheduling off with prefix
+caching), the blocks a relocated request keeps leave the prefix cache and it
+caches no more: they hold its pages, not the tokens their hashes name. The
+blocks it hands back keep their tokens, and their hashes, for the next prompt.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.paging import OffloadedRequest, RequestPages
@@ -16,56 +24,82 @@ from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
-    release_blocks_from,
+    block_sharing,
+    release_blocks_except,
+    stop_caching,
 )
 from kvpolicy.vllm.metrics import KVPolicyPromMetrics, KVPolicyStats
 from kvpolicy.vllm.state import WORKER_STATE
 
 
+@dataclass
 class KVPolicyConnectorMetadata(KVConnectorMetadata):
-    """Nothing flows scheduler -> worker yet; the type marks a bound step."""
+    """Scheduler -> workers, each step: ``sharing[req]``, the block-table positions of a prompt being
+    read that other requests read, and those in the prefix cache (``block_sharing``)."""
+
+    sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
 @dataclass
 class BlockReleases(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: relocated requests need only their first ``keep_blocks[req]`` blocks."""
+    """Worker -> scheduler: relocated requests hold only the block-table positions ``keep[req]``."""
 
-    keep_blocks: dict[str, int]
+    keep: dict[str, set[int]]
 
     def aggregate(self, other: "BlockReleases") -> "BlockReleases":
-        # Tensor-parallel ranks hold different heads: keep what the fullest rank needs.
-        for req_id, keep in other.keep_blocks.items():
-            self.keep_blocks[req_id] = max(keep, self.keep_blocks.get(req_id, 0))
+        # Tensor-parallel ranks hold different heads: keep what any rank needs.
+        for req_id, keep in other.keep.items():
+            self.keep[req_id] = keep | self.keep.get(req_id, set())
         return self
 
 
-def _release_tail(request: RequestPages | OffloadedRequest, keep: int, counters) -> None:
-    """A request stops using its blocks from ``keep`` on; count them, and the most it held before."""
+def _release(request: RequestPages | OffloadedRequest, keep: set[int], counters) -> None:
+    """A request stops using its blocks but ``keep``; count them, and the most it held before."""
     counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], request.live_blocks())
-    released = request.release_tail(keep)
+    released = request.release_except(keep)
     counters["released_blocks"] += released
     counters["released_bytes"] += released * WORKER_STATE.block_bytes
 
 
 class KVPolicyConnector(KVConnectorBase_V1):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reading: dict[str, Any] = {}  # scheduler side: requests whose prompt is being read
+
     # Scheduler side: no external KV, nothing to load.
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        return None
+        self._reading[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return KVPolicyConnectorMetadata()
+        """Which blocks of each prompt being read are shared or cached, when prefix caching is on."""
+        manager = self._kv_cache_manager
+        if manager is None or not manager.enable_caching:
+            self._reading.clear()
+            return KVPolicyConnectorMetadata()
+        sharing = {}
+        for req_id, request in list(self._reading.items()):
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                del self._reading[req_id]
+            elif req_id in scheduler_output.num_scheduled_tokens:
+                shared, cached = block_sharing(manager, req_id)
+                if shared or cached:
+                    sharing[req_id] = (shared, cached)
+        return KVPolicyConnectorMetadata(sharing)
 
     def request_finished(self, request, block_ids):
+        self._reading.pop(request.request_id, None)
         return False, None
 
     def update_connector_output(self, connector_output) -> None:
         releases = connector_output.kv_connector_worker_meta
         if isinstance(releases, BlockReleases):
-            for req_id, keep in releases.keep_blocks.items():
-                release_blocks_from(self._kv_cache_manager, req_id, keep)
+            for req_id, keep in releases.keep.items():
+                if self._kv_cache_manager.enable_caching:
+                    stop_caching(self._kv_cache_manager, req_id, keep)
+                release_blocks_except(self._kv_cache_manager, req_id, keep)
 
     # Worker side: attention runs in our backend; nothing to load or save per layer.
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -88,8 +122,8 @@ class KVPolicyConnector(KVConnectorBase_V1):
             pages = WORKER_STATE.requests.get(req_id)
             if pages is None:
                 continue
-            keep = keep_blocks[req_id] = pages.blocks_needed()
-            _release_tail(pages, keep, counters)
+            keep = keep_blocks[req_id] = pages.blocks_to_keep()
+            _release(pages, keep, counters)
             if not prompt_done:
                 counters["eviction_passes"] += 1
                 continue
@@ -99,15 +133,15 @@ class KVPolicyConnector(KVConnectorBase_V1):
             prompt_tokens = prompt_len * pages.num_layers * pages.num_heads
             counters["prompt_kv_tokens"] += prompt_tokens
             counters["compressed_requests"] += pages.kept_tokens() < prompt_tokens
-            counters["held_kv_pages"] += keep * pages.num_layers * pages.num_heads
+            counters["held_kv_pages"] += len(keep) * pages.num_layers * pages.num_heads
             counters["ideal_kv_pages"] += pages.kept_tokens() / pages.block_size
         WORKER_STATE.relocated_this_step.clear()
         for req_id, keep in WORKER_STATE.offloaded_this_step.items():
             request = WORKER_STATE.offloaded.get(req_id)
             if request is None:
                 continue
-            keep_blocks[req_id] = keep
-            _release_tail(request, keep, counters)
+            keep_blocks[req_id] = set(range(keep))
+            _release(request, keep_blocks[req_id], counters)
         WORKER_STATE.offloaded_this_step.clear()
         return BlockReleases(keep_blocks) if keep_blocks else None
 

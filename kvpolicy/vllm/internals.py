@@ -48,19 +48,60 @@ KV_MEMORY_NEEDED_FUNCTIONS = ("max_memory_usage_bytes", "_max_memory_usage_bytes
 
 
 
-def release_blocks_from(kv_cache_manager, req_id: str, keep_blocks: int) -> None:
-    """Free a request's blocks from block-table position ``keep_blocks`` on.
+def release_blocks_except(kv_cache_manager, req_id: str, keep: set[int]) -> None:
+    """Free a request's blocks at every block-table position not in ``keep``.
 
     What sliding-window attention does with blocks it no longer reads
     (``SingleTypeKVCacheManager._remove_blocks_in_range``, v1/core/
     single_type_kv_cache_manager.py): the freed entries become the null block,
     so the list keeps its length and vLLM keeps appending one block per
-    ``block_size`` logical tokens. A request that already finished is skipped.
+    ``block_size`` logical tokens. A freed block that is in the prefix cache
+    stays there (it still holds its tokens). A request that already finished
+    is skipped.
     """
     for manager in kv_cache_manager.coordinator.single_type_managers:
         blocks = manager.req_to_blocks.get(req_id)
-        if blocks is not None:
-            manager._remove_blocks_in_range(req_id, keep_blocks, len(blocks))
+        if blocks is None:
+            continue
+        for position in range(len(blocks)):
+            if position not in keep:
+                # One position at a time: the range form stops at the first null block.
+                manager._remove_blocks_in_range(req_id, position, position + 1)
+
+
+def block_sharing(kv_cache_manager, req_id: str) -> tuple[list[int], list[int]]:
+    """Block-table positions of a request's blocks that others read (``ref_cnt`` > 1: never to be
+    written) and of those in the prefix cache that only it holds (writable once uncached)."""
+    shared, cached = [], []
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        for position, block in enumerate(manager.req_to_blocks.get(req_id, ())):
+            if block.is_null:
+                continue
+            if block.ref_cnt > 1:
+                shared.append(position)
+            elif block.block_hash is not None:
+                cached.append(position)
+    return shared, cached
+
+
+def stop_caching(kv_cache_manager, req_id: str, positions: set[int]) -> None:
+    """Take the request's blocks at ``positions`` out of the prefix cache, and keep vLLM from caching
+    any later block of it: they hold relocated pages, not the tokens their hashes name.
+
+    ``BlockPool.evict_blocks`` drops a block's hashes without freeing it; ``num_cached_block`` is how
+    many of a request's blocks ``SingleTypeKVCacheManager.cache_blocks`` has cached already.
+    """
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(req_id)
+        if blocks is None:
+            continue
+        ids = {blocks[p].block_id for p in positions if p < len(blocks) and not blocks[p].is_null}
+        manager.block_pool.evict_blocks(ids)
+        manager.num_cached_block[req_id] = NEVER_CACHE
+
+
+#: ``num_cached_block`` past any request's length: ``cache_blocks`` finds nothing left to cache.
+NEVER_CACHE = 1 << 62
 
 
 __all__ = [
@@ -94,5 +135,7 @@ __all__ = [
     "has_kv_transfer_group",
     "ops",
     "register_backend",
-    "release_blocks_from",
+    "block_sharing",
+    "release_blocks_except",
+    "stop_caching",
 ]

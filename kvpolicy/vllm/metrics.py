@@ -53,6 +53,13 @@ COUNTERS = {
         "vllm:kvpolicy_ideal_kv_pages",
         "Kept tokens / block size: the pages a perfect allocator would hold; ideal / held is memory efficiency.",
     ),
+    "shared_prefix_uncompressed": (
+        "vllm:kvpolicy_shared_prefix_uncompressed",
+        (
+            "Prefix caching: prompts left uncompressed because most of their blocks are prefix-cache hits"
+            " other running requests read, too few of their own blocks to hold what the policy keeps."
+        ),
+    ),
     "pod_layouts": (
         "vllm:kvpolicy_pod_layouts",
         "pod: requests laid out over every layer's pages (distant keys kept only in each block's lowest layer).",

@@ -71,6 +71,11 @@ class WorkerState:
     observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
     carried: dict[str, CarriedState] = field(default_factory=dict)
     relocated_this_step: dict[str, bool] = field(default_factory=dict)  # req id -> the prompt completed
+    #: This step's prompts with blocks other requests read or in the prefix cache: req id -> (shared, cached)
+    #: block-table positions (``KVPolicyConnectorMetadata``).
+    block_sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    #: Prompts left on the stock path: their own blocks could not hold what the policy keeps.
+    uncompressed: set[str] = field(default_factory=set)
     offloaded: dict[str, OffloadedRequest] = field(default_factory=dict)
     offloaded_this_step: dict[str, int] = field(default_factory=dict)  # req id -> blocks it keeps
     host: HostPagePool | None = None
@@ -182,6 +187,7 @@ class WorkerState:
             self.column_sums.pop(req_id, None)
             self.observed.pop(req_id, None)
             self.carried.pop(req_id, None)
+            self.uncompressed.discard(req_id)
             offloaded = self.offloaded.pop(req_id, None)
             if offloaded is not None:
                 self.host.release(offloaded.host_page_ids(), offloaded.host_reserved)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots, write_order
 from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
@@ -102,7 +102,7 @@ class StepBuilder:
                 WORKER_STATE.forget([req_id])
                 pages = None
             extra = request.sampling_params.extra_args or {}
-            if query_len == 0 or extra.get(REQUEST_POLICY_KEY) == "none":
+            if query_len == 0 or extra.get(REQUEST_POLICY_KEY) == "none" or req_id in WORKER_STATE.uncompressed:
                 continue
             if pages is None and start >= prompt_len:
                 continue
@@ -131,9 +131,16 @@ class StepBuilder:
                 if window_idx.numel():
                     stash.append(WindowStash(req_id, window_idx))
                 continue
-            pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist())
-            WORKER_STATE.requests[req_id] = pages
             chooses = seq_len if reading else prompt_len
+            shared, cached = WORKER_STATE.block_sharing.get(req_id, ((), ()))
+            order = write_order(num_blocks, shared, cached)
+            if shared and not self._has_room(order, WORKER_STATE.policy_named(extra.get(REQUEST_POLICY_KEY)), budget, chooses):
+                WORKER_STATE.uncompressed.add(req_id)
+                WORKER_STATE.counters["shared_prefix_uncompressed"] += 1
+                continue
+            pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist(),
+                                 order)
+            WORKER_STATE.requests[req_id] = pages
             relocations.append(_relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, window_idx))
         step = RelocatingStep(relocations=relocations, window_stash=stash, summed=summed)
         if per_head_rows:
@@ -142,6 +149,13 @@ class StepBuilder:
             away = {row for row, _, _, _ in per_head_rows} | set(summed_rows)
             step.stock = self._stock_batch(sorted(set(range(num_reqs)) - away), batch)
         return step
+
+    def _has_room(self, order: list[int], policy, budget: int | None, num_tokens: int) -> bool:
+        """Whether the blocks relocation may write (``order``: not those other requests read) hold the
+        most a layer can keep, and a spare block."""
+        heads = self.num_kv_heads
+        pages = -(-policy.layer_token_bound(budget, num_tokens, heads) // self.block_size) + heads
+        return len(order) * heads >= pages + heads
 
     @functools.cached_property
     def _keeps_distant_keys(self) -> np.ndarray:

@@ -21,7 +21,8 @@ _PLATFORM_WORKERS = {
 
 
 class KVPolicyWorkerHooks:
-    """The two things the backends need from a worker: the runner, and which requests are gone."""
+    """What the backends need from a worker: the runner, which requests are gone, and which of
+    their blocks other requests share (the scheduler's connector metadata)."""
 
     def init_device(self):
         super().init_device()
@@ -30,6 +31,7 @@ class KVPolicyWorkerHooks:
     def execute_model(self, scheduler_output, *args, **kwargs):
         WORKER_STATE.forget(scheduler_output.finished_req_ids)
         WORKER_STATE.forget(scheduler_output.preempted_req_ids)
+        WORKER_STATE.block_sharing = getattr(scheduler_output.kv_connector_metadata, "sharing", None) or {}
         return super().execute_model(scheduler_output, *args, **kwargs)
 
 

@@ -151,6 +151,9 @@ def main() -> int:
     parser.add_argument("--pod-tau", type=float, default=None, help="pod: --kv-pod-tau")
     parser.add_argument("--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)")
     parser.add_argument("--abort-after", type=int, default=None, help="abort the longest request after this many steps")
+    parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="every prompt starts with the same this many tokens; the first runs alone, then the rest")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -191,7 +194,7 @@ def main() -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.chunk,
         enable_chunked_prefill=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.prefix_caching,
         gpu_memory_utilization=0.5,
         seed=0,
         disable_log_stats=False,
@@ -205,13 +208,18 @@ def main() -> int:
         else:
             WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
-    if args.abort_after is None:
+    if args.shared_prefix:
+        shared = prompts([args.shared_prefix], seed=1)[0]
+        first, *rest = [TokensPrompt(prompt_token_ids=shared + p) for p in prompts(args.prompt_lens)]
+        outputs = [*llm.generate([first], params, use_tqdm=False), *llm.generate(rest, params, use_tqdm=False)]
+    elif args.abort_after is None:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompt_lens)], params, use_tqdm=False)
     else:
         outputs = generate_aborting(llm, prompts(args.prompt_lens), params, args.abort_after)
     result = [
         {
             "token_ids": list(o.outputs[0].token_ids),
+            "cached_tokens": o.num_cached_tokens,
             "logprobs": [
                 {str(tok): lp.logprob for tok, lp in step.items()} for step in o.outputs[0].logprobs
             ],
@@ -221,6 +229,7 @@ def main() -> int:
     metrics = llm.get_metrics()
     counters = {m.name.removeprefix("vllm:kvpolicy_"): m.value for m in metrics if m.name.startswith("vllm:kvpolicy_")}
     usage = [m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"]
+    prefix_hits = sum(m.value for m in metrics if m.name == "vllm:prefix_cache_hits")
     preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
     config = llm.llm_engine.vllm_config
     model = config.model_config
@@ -233,6 +242,7 @@ def main() -> int:
     summary = {
         "ops": WORKER_STATE.ops,
         "counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions,
+        "prefix_cache_hits": prefix_hits,
         "block_bytes": block_bytes,
     }
     if args.capture:

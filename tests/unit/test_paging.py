@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from kvpolicy.paging import PageLayout, RequestPages
+from kvpolicy.paging import PageLayout, RequestPages, write_order
 
 BS, D, H = 4, 3, 2
 
@@ -144,7 +144,7 @@ def test_release_tail_frees_the_blocks_no_layer_uses():
     pages = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=[5, 6, 7, 8, 9])
     pages.relocate(0, [torch.arange(3), torch.arange(2)])
     pages.relocate(1, [torch.arange(5), torch.arange(4)])  # 2 + 1 pages: both in the first two blocks
-    assert pages.blocks_needed() == 3  # ceil(3 / 2) + 1 spare
+    assert pages.blocks_to_keep() == {0, 1, 2}  # ceil(3 / 2) + 1 spare
     assert pages.release_tail(3) == 2
     assert pages.blocks == [5, 6, 7, None, None]
     assert all(p < 16 for free in pages.free for p in free)
@@ -152,3 +152,28 @@ def test_release_tail_frees_the_blocks_no_layer_uses():
     assert pages.free[0][-2:] == [22, 23]
     moves = pages.relocate(1, [torch.arange(1), torch.arange(1)])
     assert moves.dst.max().item() < 16 * BS
+
+
+def test_write_order_never_writes_shared_blocks_and_cached_ones_last_from_the_end():
+    # Blocks 0-2 are read by another request, 3-5 are in the prefix cache, 6-7 are this request's alone.
+    assert write_order(8, shared=[0, 1, 2], cached=[1, 2, 3, 4, 5]) == [6, 7, 5, 4, 3]
+    assert write_order(3) == [0, 1, 2]
+
+
+def test_relocation_writes_only_the_blocks_of_its_order_and_keeps_them():
+    blocks = [10, 11, 12, 13, 14]
+    pages = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=blocks,
+                         order=write_order(5, shared=[0, 1], cached=[2, 3]))
+    every = [torch.arange(5 * BS)] * H
+    sources = pages.current_slots(0, every)
+    moves = pages.relocate(0, [torch.arange(3 * BS), torch.arange(BS)])  # 3 + 1 pages: blocks 14 and 13
+    pages.relocate(1, [torch.arange(2), torch.arange(2)])
+    written = {int(slot) // BS // H for slot in moves.dst}
+    assert written == {14, 13}
+    assert torch.equal(moves.src, torch.cat([sources[: 3 * BS], sources[5 * BS : 6 * BS]]))
+    keep = pages.blocks_to_keep()
+    assert keep == {4, 3, 2}  # two blocks of pages and the spare, in write order
+    assert pages.release_except(keep) == 2
+    assert pages.blocks == [None, None, 12, 13, 14]
+    pages.add_blocks([15])
+    assert pages.order == [4, 3, 2, 5]

@@ -138,7 +138,7 @@ def test_shared_layout_keeps_distant_keys_only_in_lowest_layers_and_frees_blocks
                 assert pairs.flatten().tolist() == [-(1000 * layer + 100 * h + i) for i in range(2, 56)]
     # 3 (layer, head) pairs keep 64 tokens (16 pages), 3 keep 10 (3 pages) and 27 value pairs (7 pages):
     # 78 pages, 6 to a block, plus a spare block.
-    assert plan.keep_blocks == 78 // 6 + 1 == pages.blocks_needed() == 14
+    assert plan.keep_blocks == 78 // 6 + 1 == len(pages.blocks_to_keep()) == 14
     assert pages.kept_tokens() == 3 * 64 + 3 * 10 + 3 * 27
     assert pages.release_tail(plan.keep_blocks) == 2
     slots = pages.append()

@@ -91,3 +91,24 @@ def test_short_prompts_are_kept_whole(name):
     prompt = PromptKV(torch.randn(H, 30, D), torch.randn(H * G, 8, D))
     keep = make_policy(name, window=WINDOW, pool_kernel=KERNEL).keep(prompt, 40)
     assert as_lists(keep) == [list(range(30))] * H
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "streaming"])
+def test_no_layer_keeps_more_than_the_policys_layer_bound(name):
+    """The bound prefix caching sizes a prompt's own blocks by (``Policy.layer_token_bound``)."""
+    policy = make_policy(name, window=WINDOW, pool_kernel=KERNEL)
+    gen = torch.Generator().manual_seed(7)
+    for layer in range(4):
+        keys = torch.randn(H, 150, D, generator=gen)
+        queries = torch.randn(H * G, WINDOW, D, generator=gen) * 4
+        kept = policy.keep(PromptKV(keys, queries, layer=layer, num_layers=4), BUDGET)
+        assert sum(k.numel() for k in kept) <= policy.layer_token_bound(BUDGET, 150, H)
+
+
+def test_a_window_shorter_than_asked_is_kept_whole():
+    """A prefix-cache hit that reached into the window leaves fewer window queries: the window is those."""
+    gen = torch.Generator().manual_seed(3)
+    keys, queries = torch.randn(H, 150, D, generator=gen), torch.randn(H * G, 3, D, generator=gen)
+    kept = make_policy("snapkv", window=WINDOW, pool_kernel=KERNEL).keep(PromptKV(keys, queries), BUDGET)
+    scores = reference_scores(keys, queries, 3, KERNEL)
+    assert as_lists(kept) == reference_keep([BUDGET - WINDOW] * H, scores, 150, 3)
