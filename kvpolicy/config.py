@@ -48,6 +48,7 @@ class KVPolicyConfig:
     offload: float | None = None
     pod_tau: float | None = None
     pod_groups: str | None = None
+    reserve_growth: bool = True
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 

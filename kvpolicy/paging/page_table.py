@@ -146,18 +146,26 @@ class RequestPages:
         self.lengths += count
         return (page_ids * self.block_size + positions % self.block_size).transpose(0, 2, 1)
 
-    def blocks_to_keep(self) -> set[int]:
-        """Block-table positions to hold after relocation: the fullest layer's pages, plus one spare block.
+    def blocks_to_keep(self, length: int | None = None) -> set[int]:
+        """Block-table positions to hold after relocation: the fullest layer's pages and its spare ones.
 
-        Pages are packed in ``order``, so a layer using ``p`` pages needs the
-        first ``ceil(p / H)`` blocks of it. The spare block covers decode
-        growth: vLLM appends one block (H pages per layer) every
-        ``block_size`` logical tokens, but heads reach a page boundary at
-        different steps.
+        Pages are packed in ``order``, so a layer that needs ``p`` pages needs
+        the first ``ceil(p / H)`` blocks of it. vLLM appends a block (H pages
+        per layer) each time the request's ``length`` reaches a multiple of
+        ``block_size``, but heads reach a page boundary at their own steps:
+        until the next append, every head that fills its last page first takes
+        a spare one. Each head fills at most one page per block appended, so
+        those spares cover the request from then on. While a prompt is still
+        read a chunk at a time (``length`` None), one whole block is spare.
         """
-        used = max(sum(len(pages) for pages in layer) for layer in self.head_pages)
+        counts = self._page_counts()
+        if length is None:
+            pages = counts.sum(axis=1) + self.num_heads
+        else:
+            before_next_block = -length % self.block_size
+            pages = counts.sum(axis=1) + (-self.lengths % self.block_size < before_next_block).sum(axis=1)
         live = [pos for pos in self.order if self.blocks[pos] is not None]
-        return set(live[: math.ceil(used / self.num_heads) + 1])
+        return set(live[: math.ceil(int(pages.max()) / self.num_heads)])
 
     def release_except(self, keep: set[int]) -> int:
         """Stop using every block-table position not in ``keep``; returns how many were live."""

@@ -130,7 +130,7 @@ class SharedPages(BlockPages):
         """The slots holding a sharing (layer, head)'s distant values, two per slot."""
         return self._slots(self.values[layer][head], math.ceil(self.num_distant / 2), self.block_size)
 
-    def blocks_to_keep(self) -> set[int]:
+    def blocks_to_keep(self, length: int | None = None) -> set[int]:
         """The blocks the layout packed into, plus one spare for decode growth (see ``layout``)."""
         return set(range(self.keep))
 

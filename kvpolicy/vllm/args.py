@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "(the paper's 0.7 trades 5%% quality for 25%% of the distant compute; default: never skip)"),
         ("pod_groups", str, None,
          "pod: the layer grouping JSON of `python -m kvpolicy.calibrate_pod` (default: the one shipped for SmolLM2-135M)"),
+        ("reserve_growth", _boolean, defaults.reserve_growth,
+         "admit a request only if the blocks compressed requests will still grow by (up to their max_tokens) stay "
+         "free besides, so they are not preempted (false: vLLM's admission by prompt)"),
         ("offload", float, None,
          "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
          "the full-attention layers and the pages loaded for each step (no prefix caching)"),

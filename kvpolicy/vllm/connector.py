@@ -12,6 +12,13 @@ CPU scheduler is synchronous; kvpolicy turns async scheduling off with prefix
 caching), the blocks a relocated request keeps leave the prefix cache and it
 caches no more: they hold its pages, not the tokens their hashes name. The
 blocks it hands back keep their tokens, and their hashes, for the next prompt.
+
+Admission knows compressed requests grow: vLLM appends a block to every
+running request each ``block_size`` tokens it generates, relocated or not,
+so a new request is admitted only if the blocks relocated requests will
+still append (up to their ``max_tokens``) stay free besides
+(``--kv-reserve-growth``, on by default). Requests that are not relocated
+keep vLLM's stock admission.
 """
 
 from __future__ import annotations
@@ -20,12 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.paging import OffloadedRequest, RequestPages
+from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
     block_sharing,
+    held_blocks,
     release_blocks_except,
+    reserve_for_admissions,
     stop_caching,
 )
 from kvpolicy.vllm.metrics import KVPolicyPromMetrics, KVPolicyStats
@@ -62,11 +72,31 @@ def _release(request: RequestPages | OffloadedRequest, keep: set[int], counters)
 
 
 class KVPolicyConnector(KVConnectorBase_V1):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._reading: dict[str, Any] = {}  # scheduler side: requests whose prompt is being read
+    def __init__(self, vllm_config, *args, **kwargs):
+        super().__init__(vllm_config, *args, **kwargs)
+        # Scheduler side: requests whose prompt is being read, and relocated ones.
+        self._reading: dict[str, Any] = {}
+        self._relocated: dict[str, Any] = {}
+        self._max_model_len = vllm_config.model_config.max_model_len
+        self._block_size = vllm_config.cache_config.block_size
 
     # Scheduler side: no external KV, nothing to load.
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        config = stored_config(self._vllm_config.additional_config)
+        if config is not None and config.reserve_growth:
+            reserve_for_admissions(kv_cache_manager, self.growth_blocks)
+
+    def growth_blocks(self) -> int:
+        """Blocks vLLM will still append to relocated requests until their ``max_tokens``."""
+        growth = 0
+        for req_id, request in self._relocated.items():
+            held = held_blocks(self._kv_cache_manager, req_id)
+            if held is not None:  # not preempted
+                final = min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
+                growth += max(-(-final // self._block_size) - held, 0)
+        return growth
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
 
@@ -76,14 +106,12 @@ class KVPolicyConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """Which blocks of each prompt being read are shared or cached, when prefix caching is on."""
         manager = self._kv_cache_manager
-        if manager is None or not manager.enable_caching:
-            self._reading.clear()
-            return KVPolicyConnectorMetadata()
+        caching = manager is not None and manager.enable_caching
         sharing = {}
         for req_id, request in list(self._reading.items()):
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 del self._reading[req_id]
-            elif req_id in scheduler_output.num_scheduled_tokens:
+            elif caching and req_id in scheduler_output.num_scheduled_tokens:
                 shared, cached = block_sharing(manager, req_id)
                 if shared or cached:
                     sharing[req_id] = (shared, cached)
@@ -91,12 +119,16 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         self._reading.pop(request.request_id, None)
+        self._relocated.pop(request.request_id, None)
         return False, None
 
     def update_connector_output(self, connector_output) -> None:
         releases = connector_output.kv_connector_worker_meta
         if isinstance(releases, BlockReleases):
             for req_id, keep in releases.keep.items():
+                request = self._reading.get(req_id) or self._relocated.get(req_id)
+                if request is not None:
+                    self._relocated[req_id] = request
                 if self._kv_cache_manager.enable_caching:
                     stop_caching(self._kv_cache_manager, req_id, keep)
                 release_blocks_except(self._kv_cache_manager, req_id, keep)
@@ -118,11 +150,11 @@ class KVPolicyConnector(KVConnectorBase_V1):
         """After the step's forward: every layer is relocated, so tail blocks can go."""
         keep_blocks = {}
         counters = WORKER_STATE.counters
-        for req_id, prompt_done in WORKER_STATE.relocated_this_step.items():
+        for req_id, (prompt_done, length) in WORKER_STATE.relocated_this_step.items():
             pages = WORKER_STATE.requests.get(req_id)
             if pages is None:
                 continue
-            keep = keep_blocks[req_id] = pages.blocks_to_keep()
+            keep = keep_blocks[req_id] = pages.blocks_to_keep(length)
             _release(pages, keep, counters)
             if not prompt_done:
                 counters["eviction_passes"] += 1

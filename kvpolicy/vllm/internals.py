@@ -4,6 +4,9 @@ Upgrading vLLM means reading this file and the call sites of what it exports.
 Anything imported from ``vllm`` elsewhere in kvpolicy goes through here.
 """
 
+import functools
+from collections.abc import Callable
+
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import KVTransferConfig, VllmConfig, get_current_vllm_config
@@ -100,6 +103,32 @@ def stop_caching(kv_cache_manager, req_id: str, positions: set[int]) -> None:
         manager.num_cached_block[req_id] = NEVER_CACHE
 
 
+def reserve_for_admissions(kv_cache_manager, reserved: Callable[[], int]) -> None:
+    """Admit a request (one that holds no block yet) only if ``reserved()`` blocks stay free besides.
+
+    ``KVCacheManager.allocate_slots`` (v1/core/kv_cache_manager.py) already
+    takes ``reserved_blocks``, blocks an allocation must leave free; the
+    scheduler passes it only for asynchronous KV loads. Running requests'
+    allocations are left as they are.
+    """
+    allocate = kv_cache_manager.allocate_slots
+    holders = kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+
+    @functools.wraps(allocate)
+    def allocate_slots(request, *args, reserved_blocks: int = 0, **kwargs):
+        if request.request_id not in holders:
+            reserved_blocks += reserved()
+        return allocate(request, *args, reserved_blocks=reserved_blocks, **kwargs)
+
+    kv_cache_manager.allocate_slots = allocate_slots
+
+
+def held_blocks(kv_cache_manager, req_id: str) -> int | None:
+    """Block-table entries a request has (released ones included), or None if it holds none."""
+    blocks = kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id)
+    return None if blocks is None else len(blocks)
+
+
 #: ``num_cached_block`` past any request's length: ``cache_blocks`` finds nothing left to cache.
 NEVER_CACHE = 1 << 62
 
@@ -136,6 +165,8 @@ __all__ = [
     "ops",
     "register_backend",
     "block_sharing",
+    "held_blocks",
+    "reserve_for_admissions",
     "release_blocks_except",
     "stop_caching",
 ]

@@ -70,7 +70,8 @@ class WorkerState:
     column_sums: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
     carried: dict[str, CarriedState] = field(default_factory=dict)
-    relocated_this_step: dict[str, bool] = field(default_factory=dict)  # req id -> the prompt completed
+    #: req id -> (its prompt completed, its length after the step when its prompt is read whole, else None)
+    relocated_this_step: dict[str, tuple[bool, int | None]] = field(default_factory=dict)
     #: This step's prompts with blocks other requests read or in the prefix cache: req id -> (shared, cached)
     #: block-table positions (``KVPolicyConnectorMetadata``).
     block_sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)

@@ -114,7 +114,8 @@ class StepBuilder:
                 evicts = policy.evicts_while_reading if reading else policy.evicts_in_decode
                 if evicts and self._evicts_now(req_id, pages, query_len, reading):
                     done = reading and prompt_len <= seq_len
-                    relocations.append(_relocation(req_id, extra, pages, None, None, None, done))
+                    read = None if reading and not done else seq_len
+                    relocations.append(_relocation(req_id, extra, pages, None, None, None, done, read))
                 continue
             if budget is None and policy.needs_budget:
                 continue  # short prompt: stays on the stock path
@@ -141,7 +142,8 @@ class StepBuilder:
             pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist(),
                                  order)
             WORKER_STATE.requests[req_id] = pages
-            relocations.append(_relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, window_idx))
+            read = None if reading else seq_len
+            relocations.append(_relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, read, window_idx))
         step = RelocatingStep(relocations=relocations, window_stash=stash, summed=summed)
         if per_head_rows:
             step.per_head = self._per_head_batch(per_head_rows, qsl)
@@ -195,7 +197,7 @@ class StepBuilder:
             pages = SharedPages(space.layer_base, self.num_kv_heads, self.block_size, blocks, self._keeps_distant_keys)
             layouts.append(pages.layout(seq_len, (start, end)))
             WORKER_STATE.requests[req_id] = pages
-            WORKER_STATE.relocated_this_step[req_id] = True
+            WORKER_STATE.relocated_this_step[req_id] = (True, seq_len)
         if not (decoding or layouts):
             return None
         away = {row for row, _ in decoding}
@@ -389,8 +391,9 @@ class StepBuilder:
         )
 
 
-def _relocation(req_id, extra, pages, num_tokens, num_computed, budget, prompt_done, window_idx=None) -> Relocation:
-    WORKER_STATE.relocated_this_step[req_id] = prompt_done
+def _relocation(req_id, extra, pages, num_tokens, num_computed, budget, prompt_done, read, window_idx=None) -> Relocation:
+    """``read``: the request's length once this step is done, if its prompt is then read whole."""
+    WORKER_STATE.relocated_this_step[req_id] = (prompt_done, read)
     if window_idx is None:
         window_idx = torch.zeros(0, dtype=torch.int64)
     policy = WORKER_STATE.policy_named(extra.get(REQUEST_POLICY_KEY))

@@ -152,6 +152,7 @@ def main() -> int:
     parser.add_argument("--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)")
     parser.add_argument("--abort-after", type=int, default=None, help="abort the longest request after this many steps")
     parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching")
+    parser.add_argument("--no-reserve-growth", action="store_true", help="--kv-reserve-growth false: vLLM's admission")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="every prompt starts with the same this many tokens; the first runs alone, then the rest")
     parser.add_argument("--out", required=True)
@@ -184,6 +185,8 @@ def main() -> int:
         kwargs["kv_dense_layers"] = args.dense_layers
     if args.offload:
         kwargs["kv_offload"] = args.offload
+    if args.no_reserve_growth:
+        kwargs["kv_reserve_growth"] = False
     for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau"):
         if getattr(args, name) is not None:
             kwargs[f"kv_{name}"] = getattr(args, name)

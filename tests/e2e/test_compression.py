@@ -128,9 +128,18 @@ def test_preempted_relocated_requests_recompute_like_stock(engine_run):
 
 
 def test_preemption_recompresses_and_returns_every_block(engine_run):
-    run = engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT)
+    run = engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT, "--no-reserve-growth")
     compressible = sum(n > BUDGET for n in PROMPT_LENS)
     assert run["preemptions"] > 0
     assert run["counters"]["compressed_requests"] > compressible, "a preempted request is compressed again"
+    assert all(len(r["token_ids"]) == 200 for r in run["requests"])
+    assert run["kv_cache_usage_end"] == 0.0
+
+
+def test_admission_that_reserves_growth_leaves_nothing_to_preempt(engine_run):
+    """The same tight pool: admitting only while compressed requests' growth stays free, vLLM never preempts."""
+    run = engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT)
+    assert run["preemptions"] == 0
+    assert engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT, "--no-reserve-growth")["preemptions"] > 0
     assert all(len(r["token_ids"]) == 200 for r in run["requests"])
     assert run["kv_cache_usage_end"] == 0.0

@@ -13,8 +13,10 @@ def workload(client) -> None:
     """Compressed long prompts (one streamed) beside short stock-sized chats, a few at a time."""
 
     def long_prompt(stream: bool) -> None:
+        # Two different prompts: identical ones at once would share their blocks through the prefix cache,
+        # leaving neither room of its own to compress into.
         reply = client.completions.create(
-            model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=48, temperature=0, stream=stream,
+            model=SERVED_NAME, prompt=f"Stream {stream}. {LONG_PROMPT}", max_tokens=48, temperature=0, stream=stream,
             extra_body={"ignore_eos": True},
         )
         if stream:

@@ -1,5 +1,6 @@
 """Page tables and token moves, on plain tensors (no vLLM)."""
 
+import pytest
 import numpy as np
 import torch
 
@@ -177,3 +178,34 @@ def test_relocation_writes_only_the_blocks_of_its_order_and_keeps_them():
     assert pages.blocks == [None, None, 12, 13, 14]
     pages.add_blocks([15])
     assert pages.order == [4, 3, 2, 5]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_spare_pages_last_until_vllm_appends_blocks(seed):
+    """Kept blocks hold a spare page for each head that fills its page before vLLM's next block, and
+    no more: decoding on, with a block appended every ``BS`` tokens as vLLM does, never runs out."""
+    gen = torch.Generator().manual_seed(seed)
+    length = 7 * BS + int(torch.randint(0, BS, (1,), generator=gen))
+    pages = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=list(range(8)))
+    for layer in range(2):
+        counts = torch.randint(1, 3 * BS, (H,), generator=gen)
+        pages.relocate(layer, [torch.arange(int(n)) for n in counts])
+    keep = pages.blocks_to_keep(length)
+    pages.release_except(keep)
+    needed_pages = int(pages._page_counts().sum(axis=1).max())
+    assert len(keep) in (-(-needed_pages // H), -(-needed_pages // H) + 1)
+    next_block = 8
+    for _ in range(3 * BS):
+        if length % BS == 0:
+            pages.add_blocks([next_block])
+            next_block += 1
+        pages.append(1)
+        length += 1
+
+
+def test_a_spare_page_only_for_heads_that_fill_their_page_before_the_next_block():
+    pages = RequestPages(num_layers=1, num_heads=H, block_size=BS, blocks=list(range(4)))
+    pages.relocate(0, [torch.arange(BS), torch.arange(BS)])  # both heads' pages are full
+    assert len(pages.blocks_to_keep(3 * BS)) == 1  # vLLM's next block comes with the next token
+    assert len(pages.blocks_to_keep(3 * BS + 2)) == 2  # two tokens first: each head takes a spare page
+    assert len(pages.blocks_to_keep(None)) == 2  # a prompt still being read: one whole spare block
