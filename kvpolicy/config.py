@@ -49,6 +49,7 @@ class KVPolicyConfig:
     pod_tau: float | None = None
     pod_groups: str | None = None
     reserve_growth: bool = True
+    tp_allocation: str = "exact"
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
@@ -98,6 +99,8 @@ class KVPolicyConfig:
                 raise KVPolicyConfigError(f"--kv-{name} must be in [0, 1], got {getattr(self, name)}")
         if self.combine not in ("blend", "union"):
             raise KVPolicyConfigError(f"--kv-combine is blend or union, got {self.combine!r}")
+        if self.tp_allocation not in ("exact", "rank"):
+            raise KVPolicyConfigError(f"--kv-tp-allocation is exact or rank, got {self.tp_allocation!r}")
         defaults = KVPolicyConfig.__dataclass_fields__
         for name in ("merge", "alpha", "mix", "combine"):
             if getattr(self, name) != defaults[name].default and name not in {f.name for f in fields(policy)}:

@@ -56,7 +56,9 @@ class AdaMix(AdaSnapKV):
         window = window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
         if self.combine == "blend" and self.mix == 0:
             return window
-        prefix = layer_ranks(keydiff_scores(prompt.keys)[:, : window.shape[1]])
+        # Ranks over every head of the layer, even when tensor parallelism split them.
+        window = prompt.across_heads(window)
+        prefix = layer_ranks(prompt.across_heads(keydiff_scores(prompt.keys)[:, : window.shape[1]]))
         if self.combine == "union":
-            return torch.maximum(layer_ranks(window), prefix)
-        return (1 - self.mix) * layer_ranks(window) + self.mix * prefix
+            return prompt.local(torch.maximum(layer_ranks(window), prefix))
+        return prompt.local((1 - self.mix) * layer_ranks(window) + self.mix * prefix)

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+
+@dataclass(frozen=True)
+class HeadGroup:
+    """This process's share of a layer's KV heads when tensor parallelism splits them over ``size``
+    ranks; ``gather`` stacks every rank's ``[local heads, ...]`` tensor in head order (a collective: every
+    rank calls it at the same point)."""
+
+    rank: int
+    size: int
+    gather: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -21,7 +33,8 @@ class PromptKV:
     attention's column sums, [q_heads, prompt_len] float64, as
     ``h2o.attention_column_sums`` defines them. ``values``:
     [kv_heads, prompt_len, head_dim], for policies that rewrite kept tokens
-    (D2O merges evicted values into them).
+    (D2O merges evicted values into them). ``heads``: this rank's share of
+    the layer's KV heads under tensor parallelism (None: all are here).
 
     In decode (policies that evict as they generate) it is the layer's cache
     so far, tokens in position order, with what the policy carried from its
@@ -38,10 +51,23 @@ class PromptKV:
     scores: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     column_sums: torch.Tensor | None = None
+    heads: HeadGroup | None = None
 
     @property
     def num_heads(self) -> int:
         return self.keys.shape[0]
+
+    def across_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """``[local heads, ...]`` as ``[every head of the layer, ...]``: what a layer-wide choice (Ada-KV's
+        top-k) ranks over when tensor parallelism split the heads (``heads``); unchanged otherwise."""
+        return per_head if self.heads is None else self.heads.gather(per_head)
+
+    def local(self, every_head):
+        """This rank's heads of a per-head sequence over every head of the layer."""
+        if self.heads is None:
+            return every_head
+        start = self.heads.rank * self.num_heads
+        return every_head[start : start + self.num_heads]
 
     @property
     def num_tokens(self) -> int:

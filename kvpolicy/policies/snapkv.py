@@ -119,7 +119,7 @@ class AdaSnapKV(SnapKV):
     alpha: float = 0.5
 
     def capacities(self, prompt, budget, scores):
-        return adaptive_counts(scores, budget - self.window, self.alpha)
+        return prompt.local(adaptive_counts(prompt.across_heads(scores), budget - self.window, self.alpha))
 
 
 @dataclass(frozen=True)
@@ -149,4 +149,5 @@ class AdaPyramid(PyramidKV):
     alpha: float = 0.5
 
     def capacities(self, prompt, budget, scores):
-        return adaptive_counts(scores, self.layer_capacity(prompt, budget), self.alpha)
+        capacity = self.layer_capacity(prompt, budget)
+        return prompt.local(adaptive_counts(prompt.across_heads(scores), capacity, self.alpha))

@@ -117,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("reserve_growth", _boolean, defaults.reserve_growth,
          "admit a request only if the blocks compressed requests will still grow by (up to their max_tokens) stay "
          "free besides, so they are not preempted (false: vLLM's admission by prompt)"),
+        ("tp_allocation", str, defaults.tp_allocation,
+         "with --tensor-parallel-size: exact (Ada-KV's layer-wide allocation over every rank's heads, gathered: "
+         "the kept tokens of one GPU) or rank (each rank allocates over its own heads, no collective)"),
         ("offload", float, None,
          "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
          "the full-attention layers and the pages loaded for each step (no prefix caching)"),
@@ -251,6 +254,13 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
         )
     if model_config.use_mla:
         raise KVPolicyConfigError(f"{model_config.model} uses MLA attention; use --kv-policy none")
+    tensor_parallel = vllm_config.parallel_config.tensor_parallel_size
+    kv_heads = model_config.get_total_num_kv_heads()
+    if kv_heads % tensor_parallel:
+        raise KVPolicyConfigError(
+            f"--tensor-parallel-size {tensor_parallel} does not split the {kv_heads} KV heads of {model_config.model} "
+            f"evenly (vLLM would copy them across ranks); use a size that divides {kv_heads}, or --kv-policy none"
+        )
     if getattr(model_config.hf_text_config, "sliding_window", None):
         raise KVPolicyConfigError(
             f"{model_config.model} uses sliding-window attention, which --kv-policy "

@@ -38,7 +38,7 @@ from kvpolicy.vllm.internals import (
     reserve_for_admissions,
     stop_caching,
 )
-from kvpolicy.vllm.metrics import KVPolicyPromMetrics, KVPolicyStats
+from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
 from kvpolicy.vllm.state import WORKER_STATE
 
 
@@ -179,6 +179,9 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVPolicyStats | None:
         report = WORKER_STATE.take_report()
+        if WORKER_STATE.tp_rank:
+            # Every rank sees the same requests and blocks: those counts come from the first rank only.
+            report = {key: value for key, value in report.items() if key not in PER_REQUEST}
         return KVPolicyStats(data=report) if report else None
 
     @classmethod

@@ -7,10 +7,13 @@ Anything imported from ``vllm`` elsewhere in kvpolicy goes through here.
 import functools
 from collections.abc import Callable
 
+import torch
+
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import KVTransferConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -129,6 +132,20 @@ def held_blocks(kv_cache_manager, req_id: str) -> int | None:
     return None if blocks is None else len(blocks)
 
 
+def tensor_parallel_gather():
+    """``(rank, size, gather)`` of this worker's tensor-parallel group; ``gather`` stacks every rank's
+    CPU tensor along dim 0 over the group's gloo communicator (``GroupCoordinator.cpu_group``), which
+    keeps float64 exact."""
+    group = get_tp_group()
+
+    def gather(tensor):
+        parts = [torch.empty_like(tensor) for _ in range(group.world_size)]
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=group.cpu_group)
+        return torch.cat(parts)
+
+    return group.rank_in_group, group.world_size, gather
+
+
 #: ``num_cached_block`` past any request's length: ``cache_blocks`` finds nothing left to cache.
 NEVER_CACHE = 1 << 62
 
@@ -169,4 +186,5 @@ __all__ = [
     "reserve_for_admissions",
     "release_blocks_except",
     "stop_caching",
+    "tensor_parallel_gather",
 ]

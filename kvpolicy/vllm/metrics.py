@@ -98,6 +98,13 @@ COUNTERS = {
     ),
 }
 
+#: Counters of requests and blocks, which every tensor-parallel rank sees alike: reported by the first rank
+#: only. The others count each rank's own KV heads, and add up across ranks.
+PER_REQUEST = frozenset({
+    "relocated_requests", "compressed_requests", "released_blocks", "eviction_passes", "shared_prefix_uncompressed",
+    "pod_layouts", "offloaded_requests", "offload_refused",
+})
+
 #: stats key -> (Prometheus name, help): the largest value seen, not a sum
 PEAKS = {
     "peak_request_kv_blocks": (

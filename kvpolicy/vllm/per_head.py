@@ -137,6 +137,7 @@ class PerHeadPath:
             queries=queries if policy.needs_queries else None,
             values=values,
             column_sums=column_sums,
+            heads=WORKER_STATE.head_group,
         )
 
     def _compact(self, layer, kv_cache, layer_idx, relocation, prompt, budget, observation, num_tokens, num_computed):

@@ -11,7 +11,7 @@ import torch
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages, SharedPages
-from kvpolicy.policies import Policy
+from kvpolicy.policies import HeadGroup, Policy
 
 
 @dataclass
@@ -82,12 +82,20 @@ class WorkerState:
     host: HostPagePool | None = None
     family: dict[str, Policy] = field(default_factory=dict)  # other policies of the family, by name
     ops: str | None = None  # the backend's KVOps class, for logs and tests
+    tp_rank: int = 0
+    #: This rank's share of every layer's KV heads for layer-wide choices, under --kv-tp-allocation exact.
+    head_group: HeadGroup | None = None
     _page_space: PageSpace | None = None
     counters: Counter = field(default_factory=Counter)
     _reported_memory: dict[str, int] = field(default_factory=dict)
 
-    def configure(self, config: KVPolicyConfig | None, runner: Any) -> None:
+    def configure(self, config: KVPolicyConfig | None, runner: Any, tensor_parallel=None) -> None:
+        """``tensor_parallel``: ``(rank, size, gather)`` of the worker's tensor-parallel group, if any."""
         self.config = config
+        rank, size, gather = tensor_parallel or (0, 1, None)
+        self.tp_rank = rank
+        exact = size > 1 and config is not None and config.tp_allocation == "exact"
+        self.head_group = HeadGroup(rank, size, gather) if exact else None
         self.policy = config.make_policy() if config is not None else None
         self.family.clear()
         self.runner = runner

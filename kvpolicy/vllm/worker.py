@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 from kvpolicy.vllm.args import stored_config
-from kvpolicy.vllm.internals import CPU_WORKER_MODULE, GPU_WORKER_MODULE
+from kvpolicy.vllm.internals import CPU_WORKER_MODULE, GPU_WORKER_MODULE, tensor_parallel_gather
 from kvpolicy.vllm.state import WORKER_STATE
 
 #: class name -> (vLLM's worker module, its worker class)
@@ -26,7 +26,9 @@ class KVPolicyWorkerHooks:
 
     def init_device(self):
         super().init_device()
-        WORKER_STATE.configure(stored_config(self.vllm_config.additional_config), self.model_runner)
+        parallel = self.vllm_config.parallel_config.tensor_parallel_size > 1
+        WORKER_STATE.configure(stored_config(self.vllm_config.additional_config), self.model_runner,
+                               tensor_parallel_gather() if parallel else None)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         WORKER_STATE.forget(scheduler_output.finished_req_ids)

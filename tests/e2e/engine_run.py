@@ -153,6 +153,8 @@ def main() -> int:
     parser.add_argument("--abort-after", type=int, default=None, help="abort the longest request after this many steps")
     parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching")
     parser.add_argument("--no-reserve-growth", action="store_true", help="--kv-reserve-growth false: vLLM's admission")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-parallel-size, one core per rank")
+    parser.add_argument("--tp-allocation", default=None, help="--kv-tp-allocation exact|rank")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="every prompt starts with the same this many tokens; the first runs alone, then the rest")
     parser.add_argument("--out", required=True)
@@ -185,6 +187,11 @@ def main() -> int:
         kwargs["kv_dense_layers"] = args.dense_layers
     if args.offload:
         kwargs["kv_offload"] = args.offload
+    if args.tensor_parallel > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tensor_parallel))))
+    if args.tp_allocation:
+        kwargs["kv_tp_allocation"] = args.tp_allocation
     if args.no_reserve_growth:
         kwargs["kv_reserve_growth"] = False
     for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau"):

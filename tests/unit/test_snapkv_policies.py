@@ -1,9 +1,11 @@
 """SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid, Ada-Mix and StreamingLLM against plain references on random tensors."""
 
+import threading
+
 import pytest
 import torch
 
-from kvpolicy.policies import PromptKV, make_policy
+from kvpolicy.policies import HeadGroup, PromptKV, make_policy
 from kvpolicy.policies.snapkv import pyramid_capacity
 from tests.snapkv_reference import (
     reference_ada_counts,
@@ -112,3 +114,42 @@ def test_a_window_shorter_than_asked_is_kept_whole():
     kept = make_policy("snapkv", window=WINDOW, pool_kernel=KERNEL).keep(PromptKV(keys, queries), BUDGET)
     scores = reference_scores(keys, queries, 3, KERNEL)
     assert as_lists(kept) == reference_keep([BUDGET - WINDOW] * H, scores, 150, 3)
+
+
+class ThreadGroup:
+    """Tensor-parallel ranks as threads: ``gather`` stacks every rank's tensor, as the engine's collective does."""
+
+    def __init__(self, size: int):
+        self.size, self.parts = size, [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def head_group(self, rank: int) -> HeadGroup:
+        def gather(tensor):
+            self.parts[rank] = tensor
+            self.barrier.wait()
+            stacked = torch.cat(self.parts)
+            self.barrier.wait()
+            return stacked
+
+        return HeadGroup(rank, self.size, gather)
+
+
+@pytest.mark.parametrize("name", ["adasnap", "adapyramid", "adamix", "snapkv"])
+def test_heads_split_over_ranks_keep_what_one_rank_keeps_with_every_head(prompt, name):
+    """``--kv-tp-allocation exact``: Ada-KV's layer-wide choice over heads gathered from every rank."""
+    policy = make_policy(name, window=WINDOW, pool_kernel=KERNEL)
+    whole = as_lists(policy.keep(prompt, BUDGET))
+    ranks, group = 3, ThreadGroup(3)  # one KV head per rank
+    kept = [None] * ranks
+
+    def keep(rank: int) -> None:
+        local = PromptKV(prompt.keys[rank : rank + 1], prompt.window_queries[rank * G : (rank + 1) * G],
+                         layer=prompt.layer, num_layers=prompt.num_layers, heads=group.head_group(rank))
+        kept[rank] = as_lists(policy.keep(local, BUDGET))
+
+    threads = [threading.Thread(target=keep, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [head for rank in kept for head in rank] == whole

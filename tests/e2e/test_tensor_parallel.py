@@ -1,0 +1,41 @@
+"""Tensor parallelism through vLLM: two ranks, each compressing its own KV heads.
+
+The default model's 3 KV heads do not split in two, so this runs a small
+random-weight Llama made locally with 4 KV heads (``prepare_tiny``), one
+rank per core. With ``--kv-tp-allocation exact`` (the default) Ada-KV's
+layer-wide allocation gathers every rank's scores, so two ranks keep what one
+keeps: the same tokens, the same counts, counted once in the metrics.
+"""
+
+import pytest
+
+from kvpolicy.model import prepare_tiny
+
+RUN = ("--budget", "64", "--max-tokens", "12")
+
+
+@pytest.fixture(scope="module")
+def four_kv_heads():
+    return prepare_tiny(num_layers=4, num_heads=8, num_kv_heads=4, head_size=64)
+
+
+def test_two_ranks_compress_like_one(engine_run, four_kv_heads):
+    one = engine_run("--policy", "adasnap", *RUN, model=four_kv_heads)
+    two = engine_run("--policy", "adasnap", *RUN, "--tensor-parallel", "2", model=four_kv_heads)
+    for key in ("relocated_requests", "compressed_requests", "released_blocks", "kept_kv_tokens", "prompt_kv_tokens"):
+        assert two["counters"][key] == one["counters"][key], key
+    for single, split in zip(one["requests"], two["requests"], strict=True):
+        assert split["token_ids"] == single["token_ids"]
+        for a, b in zip(single["logprobs"], split["logprobs"]):
+            assert all(abs(a[t] - b[t]) < 1e-3 for t in a.keys() & b.keys())
+    assert two["kv_cache_usage_end"] == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--tensor-parallel", "8"), "does not split the 4 KV heads"),
+    ],
+)
+def test_shapes_that_do_not_split_are_refused(engine_run, four_kv_heads, args, message):
+    assert message in engine_run("--policy", "adasnap", *RUN, *args, fails=True, model=four_kv_heads)
