@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.paging import OffloadedRequest, RequestPages
+from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
@@ -88,14 +89,14 @@ class KVPolicyConnector(KVConnectorBase_V1):
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
 
     def growth_blocks(self) -> int:
-        """Blocks vLLM will still append to relocated requests until their ``max_tokens``."""
-        growth = 0
+        """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``)."""
+        growing = []
         for req_id, request in self._relocated.items():
             held = held_blocks(self._kv_cache_manager, req_id)
             if held is not None:  # not preempted
                 final = min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
-                growth += max(-(-final // self._block_size) - held, 0)
-        return growth
+                growing.append(GrowingRequest(*held, request.num_tokens, max(final - request.num_tokens, 0)))
+        return blocks_to_reserve(growing, self._block_size)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False

@@ -126,10 +126,10 @@ def reserve_for_admissions(kv_cache_manager, reserved: Callable[[], int]) -> Non
     kv_cache_manager.allocate_slots = allocate_slots
 
 
-def held_blocks(kv_cache_manager, req_id: str) -> int | None:
-    """Block-table entries a request has (released ones included), or None if it holds none."""
+def held_blocks(kv_cache_manager, req_id: str) -> tuple[int, int] | None:
+    """``(live blocks, block-table entries)`` of a request (entries count released ones), or None if it holds none."""
     blocks = kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id)
-    return None if blocks is None else len(blocks)
+    return None if blocks is None else (sum(not b.is_null for b in blocks), len(blocks))
 
 
 def tensor_parallel_gather():

@@ -29,3 +29,21 @@ def test_the_check_sees_the_bound_and_the_config_is_restored():
     assert keydiff.model_config.max_model_len == 8192
     assert needed(vllm_config("adasnap", 256)) == 8192
     assert needed(vllm_config("keydiff", 256, max_model_len=1024)) == 1024
+
+
+def test_one_growing_request_reserves_the_blocks_it_will_append():
+    from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
+
+    # 3,000 tokens in 24 block-table entries (4 live after compression), 1,024 tokens to go: 4,024 fill 32.
+    assert blocks_to_reserve([GrowingRequest(live=4, table=24, length=3000, left=1024)], 128) == 8
+    assert blocks_to_reserve([], 128) == 0
+
+
+def test_requests_that_finish_first_give_back_what_the_others_still_need():
+    from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
+
+    early = GrowingRequest(live=10, table=30, length=3768, left=256)  # appends 2 more, then frees 12
+    late = GrowingRequest(live=4, table=24, length=3000, left=1024)  # appends 2 by then, 8 in all
+    # The worst moment is just before the early one finishes: 2 + 2 blocks taken; after it, 8 - 12 < 4.
+    assert blocks_to_reserve([early, late], 128) == 4
+    assert blocks_to_reserve([late, late], 128) == 16
