@@ -15,10 +15,10 @@ blocks it hands back keep their tokens, and their hashes, for the next prompt.
 
 Admission knows compressed requests grow: vLLM appends a block to every
 running request each ``block_size`` tokens it generates, relocated or not,
-so a new request is admitted only if the blocks relocated requests will
-still append (up to their ``max_tokens``) stay free besides
-(``--kv-reserve-growth``, on by default). Requests that are not relocated
-keep vLLM's stock admission.
+so a new request is admitted only if the most blocks relocated requests
+will take at once, up to their ``max_tokens``, stay free besides
+(``blocks_to_reserve``; ``--kv-reserve-growth``, on by default). Requests
+that are not relocated keep vLLM's stock admission.
 """
 
 from __future__ import annotations
