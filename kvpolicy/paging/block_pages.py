@@ -51,9 +51,5 @@ class BlockPages:
         self.free = [p for p in self.free if p not in gone]
         return released
 
-    def release_tail(self, keep_blocks: int) -> int:
-        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
-        return self.release_except(set(range(keep_blocks)))
-
     def live_blocks(self) -> int:
         return sum(block is not None for block in self.blocks)

@@ -182,10 +182,6 @@ class RequestPages:
             released += 1
         return released
 
-    def release_tail(self, keep_blocks: int) -> int:
-        """Stop using block-table positions from ``keep_blocks`` on; returns how many were live."""
-        return self.release_except(set(range(keep_blocks)))
-
     def live_blocks(self) -> int:
         """Blocks the request holds now (released ones excluded)."""
         return sum(block is not None for block in self.blocks)

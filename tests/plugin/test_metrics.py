@@ -21,7 +21,7 @@ def worker_with(computed_tokens: dict[str, int], kept_blocks: dict[str, int]) ->
     )
     for req, n in computed_tokens.items():
         pages = RequestPages(LAYERS, 1, BLOCK_SIZE, list(range(-(-n // BLOCK_SIZE))))
-        pages.release_tail(kept_blocks[req])
+        pages.release_except(set(range(kept_blocks[req])))
         state.requests[req] = pages
     return state
 

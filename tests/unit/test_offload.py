@@ -50,13 +50,13 @@ def test_offload_puts_every_page_where_the_request_reads_it_and_frees_blocks():
     kept = {BASE[layer] + b * H + h for layer in range(L) for b in blocks[:5] for h in range(H)}
     used = [p for tables in (request.pages, request.staging) for layer in tables for head in layer for p in head]
     assert len(used) == len(set(used)) and set(used) <= kept
-    assert request.release_tail(plan.keep_blocks) == 1 and request.live_blocks() == 5
+    assert request.release_except(set(range(plan.keep_blocks))) == 1 and request.live_blocks() == 5
 
 
 def test_decode_flushes_full_tails_and_sparse_calls_read_the_selection():
     blocks = [5, 1, 8, 3]
     request, host, device, plan = offloaded(16, blocks, staging=2)  # 4 full pages: the tail is full
-    request.release_tail(plan.keep_blocks)
+    request.release_except(set(range(plan.keep_blocks)))
     request.add_blocks([7])  # vLLM's block for tokens 16-19
     slots, flushes = request.append(host)
     assert request.length == 17

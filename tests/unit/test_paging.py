@@ -141,12 +141,12 @@ def test_layout_moves_tokens_between_pages_like_the_cache_would():
         assert torch.equal(got_v, values[head, keep[head]])
 
 
-def test_release_tail_frees_the_blocks_no_layer_uses():
+def test_release_frees_the_blocks_no_layer_uses():
     pages = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=[5, 6, 7, 8, 9])
     pages.relocate(0, [torch.arange(3), torch.arange(2)])
     pages.relocate(1, [torch.arange(5), torch.arange(4)])  # 2 + 1 pages: both in the first two blocks
     assert pages.blocks_to_keep() == {0, 1, 2}  # ceil(3 / 2) + 1 spare
-    assert pages.release_tail(3) == 2
+    assert pages.release_except({0, 1, 2}) == 2
     assert pages.blocks == [5, 6, 7, None, None]
     assert all(p < 16 for free in pages.free for p in free)
     pages.add_blocks([11])
