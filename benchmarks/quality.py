@@ -18,9 +18,13 @@ engine, in its own process (``--jobs`` of them at once: the CPU engine uses
 one core), reading prompts in chunks of ``PREFILL_CHUNK`` tokens (keydiff
 evicts after each). A policy spec may name its own budget, ``omnikv@0.7``, or
 none, ``pod@full`` (a policy that takes no budget; drawn as a level).
-Every (policy, budget) cell is saved in
-``<out>.work/`` as soon as its engine has answered it, under a digest of its
-prompts: an interrupted or extended run computes only the cells it lacks.
+Every (policy, budget, task, context) cell is saved as soon as its engine has
+answered it, under a digest of its prompts, in ``quality.work/`` beside the
+output (so the quick and full runs, and any ``--out`` in the same folder, share
+them): an interrupted or extended run computes only the cells it lacks, and a cell's
+answers do not depend on the run (an engine has only that cell's prompts in
+flight at once, which matters for keydiff: it evicts where the scheduler's
+shared prefill chunks end).
 Greedy decoding, fp32. Writes ``benchmarks/results/quality.json`` (quick:
 ``quality_quick.json``), a markdown table and a plot beside it.
 """
@@ -46,7 +50,7 @@ from benchmarks.tasks import ANSWER_TOKENS, TASKS, TaskItem, is_hit  # noqa: E40
 
 POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
 DEPTHS = [0.1, 0.26, 0.42, 0.58, 0.74, 0.9]
-FULL = {"policies": POLICIES, "budgets": ["128", "256", "512", "0.5", "0.75", "0.9"], "tasks": list(TASKS),
+FULL = {"policies": [*POLICIES, "omnikv@0.7"], "budgets": ["128", "256", "512", "0.5", "0.75", "0.9"], "tasks": list(TASKS),
         "lengths": [1000, 2000, 4000, 8000], "depths": DEPTHS, "seeds": 1, "first_seed": 0}
 QUICK = {"policies": ["adamix", "adasnap", "keydiff", "omnikv@0.7"], "budgets": ["0.75"],
          "tasks": ["passkey", "niah", "multikey"], "lengths": [1000], "depths": DEPTHS, "seeds": 1, "first_seed": 0}
@@ -88,9 +92,11 @@ def request_budget(label: str, prompt_len: int, policy: str = "none", num_layers
     return round((1 - fields["ratio"]) * prompt_len)
 
 
-def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[str, str], model: str | None) -> None:
-    """One engine, in this process; each budget's answers are written to ``cells[budget]`` once they are in."""
+def run_engine(policy: str, cells: list[dict], model: str | None) -> None:
+    """One engine, in this process, answering each cell (``budget``, ``items``, ``path``) in turn; a cell's answers
+    are written to its ``path`` once they are in, so only its own prompts are ever in flight together."""
     import kvpolicy.vllm  # noqa: F401
+    from tqdm import tqdm
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -99,35 +105,45 @@ def run_engine(items: list[dict], policy: str, budgets: list[str], cells: dict[s
 
     model = model or str(prepare())
     num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
-    largest = max((request_budget(b, len(item["ids"]), policy, num_layers)
-                   for b in budgets if b != FULL_CACHE for item in items), default=None)
+    largest = max((request_budget(cell["budget"], len(item["ids"]), policy, num_layers)
+                   for cell in cells if cell["budget"] != FULL_CACHE for item in cell["items"]), default=None)
     llm = LLM(
         model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
         max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0,
         **policy_options(policy), **({"kv_budget": largest} if largest else {}),
     )
-    prompts = [TokensPrompt(prompt_token_ids=item["ids"]) for item in items]
-    for budget in budgets:
-        requested = [request_budget(budget, len(item["ids"]), policy, num_layers) for item in items]
+    for cell in tqdm(cells, desc=policy, unit="cell"):
+        prompts = [TokensPrompt(prompt_token_ids=item["ids"]) for item in cell["items"]]
+        requested = [request_budget(cell["budget"], len(item["ids"]), policy, num_layers) for item in cell["items"]]
         params = [SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0,
                                  extra_args=None if tokens is None else {"kv_budget": tokens}) for tokens in requested]
-        outputs = llm.generate(prompts, params, use_tqdm=True)
-        write_json(Path(cells[budget]), {"answers": [o.outputs[0].text for o in outputs]})
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        write_json(Path(cell["path"]), {"answers": [o.outputs[0].text for o in outputs]})
 
 
 def summary_rows(rows: list[dict], reliable: set) -> list[dict]:
-    """Each policy x budget's accuracy per task, averaged over the contexts the full cache solves."""
+    """Each policy x budget's accuracy per task, averaged over the contexts the full cache solves, and the
+    ``mean`` of those tasks."""
     groups: dict = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if (row["task"], row["context"]) in reliable:
             groups[(row["policy"], row["budget"], row["ratio"])][row["task"]].append(row["accuracy"])
-    return [{"policy": policy, "budget": budget, "ratio": ratio,
-             **{task: sum(accs) / len(accs) for task, accs in by_task.items()}}
-            for (policy, budget, ratio), by_task in groups.items()]
+    summary = []
+    for (policy, budget, ratio), by_task in groups.items():
+        tasks = {task: sum(accs) / len(accs) for task, accs in by_task.items()}
+        summary.append({"policy": policy, "budget": budget, "ratio": ratio, **tasks,
+                        "mean": sum(tasks.values()) / len(tasks)})
+    return summary
 
 
 def reliable_cells(rows: list[dict]) -> set:
     return {(r["task"], r["context"]) for r in rows if r["policy"] == "none" and r["accuracy"] >= RELIABLE}
+
+
+def compared_cells(rows: list[dict]) -> set:
+    """The solved task x contexts the policies ran on (``--policy-lengths``), where they meet the full cache."""
+    ran = {(r["task"], r["context"]) for r in rows if r["policy"] != "none"}
+    return reliable_cells(rows) & ran if ran else reliable_cells(rows)
 
 
 def tables(rows: list[dict]) -> str:
@@ -136,15 +152,15 @@ def tables(rows: list[dict]) -> str:
     contexts = sorted({r["context"] for r in full})
     by_cell = {(r["task"], r["context"]): r["accuracy"] for r in full}
     baseline = [{"task": t, **{str(c): by_cell.get((t, c)) for c in contexts}} for t in tasks]
-    reliable = reliable_cells(rows)
+    reliable = compared_cells(rows)
     summary = summary_rows(rows, reliable)
     solved = [t for t in tasks if any(task == t for task, _ in reliable)]
     return (
         f"Full cache (`--kv-policy none`): accuracy per task and context (tokens); "
         f"cells at >= {RELIABLE} count below.\n\n"
         + markdown_table(baseline, ["task", *map(str, contexts)])
-        + "\n\nEach policy and budget: accuracy per task over the contexts the full cache solves.\n\n"
-        + markdown_table(summary, ["policy", "budget", "ratio", *solved])
+        + "\n\nEach policy and budget: accuracy per task over the contexts the full cache solves and the policies ran at.\n\n"
+        + markdown_table(summary, ["policy", "budget", "ratio", *solved, "mean"])
     )
 
 
@@ -154,7 +170,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reliable = reliable_cells(rows)
+    reliable = compared_cells(rows)
     summary = summary_rows(rows, reliable)
     tasks = [t for t in dict.fromkeys(r["task"] for r in rows) if any(task == t for task, _ in reliable)]
     kinds = [k for k in ("budget", "ratio") if any(r[k] is not None for r in summary)]
@@ -197,17 +213,28 @@ THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskItem], progress,
                  core: int | None = None, model: str | None = None) -> list[dict]:
-    """A policy's accuracy rows at each budget; cells already in ``work`` are read, the rest answered by one
-    engine (bound to ``core`` when given) of ``model`` (None: the default model)."""
-    payload = [asdict(item) for item in items]
-    digest = hashlib.sha256(json.dumps(payload if model is None else [payload, model]).encode()).hexdigest()[:12]
-    cells = {b: work / f"{policy}@{b}-{digest}.json" for b in budgets}
-    missing = [b for b in budgets if not cells[b].exists()]
-    progress.update(len(budgets) - len(missing))
+    """A policy's accuracy rows at each budget, one per task x context of ``items``.
+
+    Each (budget, task, context) cell is a file in ``work`` named by a digest of its prompts (and ``model``): cells
+    already there are read, whatever run wrote them; the rest are answered by one engine (bound to ``core`` when
+    given) of ``model`` (None: the default model).
+    """
+    groups: dict = defaultdict(list)
+    for item in items:
+        groups[(item.task, item.length)].append(item)
+    cells = {}
+    for (task, length), group in groups.items():
+        payload = [asdict(item) for item in group]
+        digest = hashlib.sha256(json.dumps(payload if model is None else [payload, model]).encode()).hexdigest()[:12]
+        for budget in budgets:
+            cells[(budget, task, length)] = (work / f"{policy}@{budget}-{task}-{length}-{digest}.json", payload)
+    missing = [key for key, (path, _) in cells.items() if not path.exists()]
+    progress.update(len(cells) - len(missing))
     if missing:
-        job = work / f"job-{policy}-{digest}.json"
-        write_json(job, {"items": payload, "policy": policy, "budgets": missing,
-                         "cells": {b: str(cells[b]) for b in missing}, "model": model})
+        job = work / f"job-{policy}-{os.getpid()}-{core}.json"
+        write_json(job, {"policy": policy, "model": model,
+                         "cells": [{"budget": key[0], "items": cells[key][1], "path": str(cells[key][0])}
+                                   for key in missing]})
         env = None if core is None else {**os.environ, THREADS_BIND_ENV: str(core)}
         proc = subprocess.run([sys.executable, __file__, "--run-one", str(job)], env=env)
         if proc.returncode != 0:
@@ -216,12 +243,10 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
         job.unlink()
         progress.update(len(missing))
     rows = []
-    for budget, path in cells.items():
-        hits: dict = defaultdict(list)
-        for item, answer in zip(items, json.loads(path.read_text())["answers"]):
-            hits[(item.task, item.length)].append(is_hit(item, answer))
-        rows += [{"policy": policy, **budget_fields(budget), "task": task, "context": length,
-                  "accuracy": sum(h) / len(h), "n": len(h)} for (task, length), h in hits.items()]
+    for (budget, task, length), (path, _) in cells.items():
+        hits = [is_hit(item, answer) for item, answer in zip(groups[(task, length)], json.loads(path.read_text())["answers"])]
+        rows.append({"policy": policy, **budget_fields(budget), "task": task, "context": length,
+                     "accuracy": sum(hits) / len(hits), "n": len(hits)})
     return rows
 
 
@@ -253,6 +278,28 @@ def policy_grid(specs: list[str], budgets: list[str]) -> list[tuple[str, list[st
     return grid
 
 
+def servable(grid: list[tuple[str, list[str]]], lengths: list[int], model: str | None) -> tuple[list, list[str]]:
+    """The grid without the (policy, budget) pairs the policy cannot serve at some length, and why each was left out
+    (omnikv's full-attention layers alone read more than a high ratio's Mem%)."""
+    from kvpolicy.config import KVPolicyConfigError
+    from kvpolicy.model import prepare
+    from transformers import AutoConfig
+
+    num_layers = AutoConfig.from_pretrained(model or str(prepare())).num_hidden_layers
+    kept, left_out = [], []
+    for policy, budgets in grid:
+        fitting = []
+        for budget in budgets:
+            try:
+                for length in lengths:
+                    request_budget(budget, length, policy, num_layers)
+                fitting.append(budget)
+            except KVPolicyConfigError as exc:
+                left_out.append(f"{policy}@{budget}: {exc}")
+        kept.append((policy, fitting))
+    return [(policy, budgets) for policy, budgets in kept if budgets], left_out
+
+
 def build_items(settings: dict) -> list[TaskItem]:
     from transformers import AutoTokenizer
 
@@ -274,6 +321,8 @@ def main() -> int:
     parser.add_argument("--budgets", nargs="+", help="token counts (256) or compression ratios (0.75: a quarter kept)")
     parser.add_argument("--tasks", nargs="+", choices=TASKS)
     parser.add_argument("--lengths", nargs="+", type=int, help="prompt lengths in tokens")
+    parser.add_argument("--policy-lengths", nargs="+", type=int,
+                        help="the prompt lengths the policies run at (default: every length; the full cache runs at all)")
     parser.add_argument("--depths", nargs="+", type=float)
     parser.add_argument("--seeds", type=int, help="prompts per task, length and depth")
     parser.add_argument("--first-seed", type=int, help=f"the first prompt seed (default 0; {DEV_SEED}: the dev prompts)")
@@ -286,7 +335,7 @@ def main() -> int:
 
     if args.run_one:
         job = json.loads(args.run_one.read_text())
-        run_engine(job["items"], job["policy"], job["budgets"], job["cells"], job.get("model"))
+        run_engine(job["policy"], job["cells"], job["model"])
         return 0
 
     from tqdm import tqdm
@@ -295,22 +344,30 @@ def main() -> int:
     for key in ("policies", "budgets", "tasks", "lengths", "depths", "seeds", "first_seed"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    settings["policy_lengths"] = args.policy_lengths or settings["lengths"]
     grid = policy_grid(settings["policies"], settings["budgets"])
     for label in {b for _, budgets in grid for b in budgets}:
         if label != FULL_CACHE and float(label) <= 0:
             raise SystemExit(f"budget {label}: give a token count or a compression ratio in (0, 1)")
+    grid, settings["left_out"] = servable(grid, settings["policy_lengths"], args.model)
+    for reason in settings["left_out"]:
+        print(f"left out {reason}", file=sys.stderr)
     if max(settings["lengths"]) + ANSWER_TOKENS > MAX_MODEL_LEN:
         raise SystemExit(f"prompt lengths must leave {ANSWER_TOKENS} tokens under {MAX_MODEL_LEN}")
     out = args.out or RESULTS_DIR / ("quality_quick.json" if args.quick else "quality.json")
-    work = out.with_suffix(".work")
+    work = out.parent / "quality.work"
     work.mkdir(parents=True, exist_ok=True)
     items = build_items(settings)
-    with tqdm(total=1 + sum(len(b) for _, b in grid), desc="cells (policy x budget)", unit="cell") as progress:
+    contexts = {(item.task, item.length) for item in items}
+    with tqdm(total=len(contexts), desc="cells (policy x budget x task x context)", unit="cell") as progress:
         rows = answer_cells(work, "none", [FULL_CACHE], items, progress, model=args.model)
         reliable = reliable_cells(rows)
-        solved = [item for item in items if (item.task, item.length) in reliable]
+        measured = {(task, length) for task, length in reliable if length in settings["policy_lengths"]}
+        solved = [item for item in items if (item.task, item.length) in measured]
         if not solved:
             print("the full cache solves no task x context reliably: no policy is run", file=sys.stderr)
+        progress.total += len(measured) * sum(len(b) for _, b in grid)
+        progress.refresh()
         rows += answer_in_parallel(work, grid if solved else [], solved, progress, args.jobs, args.model)
     settings["reliable"] = RELIABLE
     write_results(out, settings, rows, COLUMNS, plot, table=tables)

@@ -27,9 +27,9 @@ def test_tiny_grid_writes_the_contract_and_resumes_from_its_cells(tmp_path):
         assert row["accuracy"] in (0.0, 1.0)
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
 
-    cells = {p.name: p.stat().st_mtime_ns for p in out.with_suffix(".work").iterdir()}
+    cells = {p.name: p.stat().st_mtime_ns for p in (out.parent / "quality.work").iterdir()}
     assert len(cells) == 3, cells  # none, snapkv@128, snapkv@0.75
     second = run(out)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert {p.name: p.stat().st_mtime_ns for p in out.with_suffix(".work").iterdir()} == cells, "a cell was recomputed"
+    assert {p.name: p.stat().st_mtime_ns for p in (out.parent / "quality.work").iterdir()} == cells, "a cell was recomputed"
     assert json.loads(out.read_text())["runs"] == runs
