@@ -36,7 +36,7 @@ class KVPolicyConfig:
     budget: int | None = None
     ratio: float | None = None
     window: int = 32
-    pool_kernel: int = 7
+    pool_kernel: int | None = None  # None: the policy's own default
     sink_tokens: int | None = None  # None: the policy's own default
     recent_tokens: int | None = None
     merge: bool = True
@@ -68,7 +68,7 @@ class KVPolicyConfig:
             raise KVPolicyConfigError("give --kv-budget or --kv-ratio, not both")
         if self.window <= 0:
             raise KVPolicyConfigError(f"--kv-window must be positive, got {self.window}")
-        if self.pool_kernel <= 0 or self.pool_kernel % 2 == 0:
+        if self.pool_kernel is not None and (self.pool_kernel <= 0 or self.pool_kernel % 2 == 0):
             raise KVPolicyConfigError(
                 f"--kv-pool-kernel must be a positive odd number, got {self.pool_kernel}"
             )

@@ -17,6 +17,9 @@ are combined:
 - ``combine="blend"``: ``score = (1 - mix) * rank(window) + mix * rank(keydiff)``;
   ``mix = 0`` is Ada-SnapKV exactly, ``mix = 1`` is Ada-KV's allocation over
   KeyDiff scores.
+- The window scores are max-pooled with a kernel of 15, not SnapKV's 7: on
+  the quality harness's dev prompts the wider kernel kept whole seven-digit
+  needles (one token per digit here) where 7 kept their first digits.
 - Allocation, window and ``budget`` as in Ada-SnapKV (``alpha`` safeguard;
   ``alpha = 1`` gives every head the same count).
 - KeyDiff's anchor is the mean normalised key over the whole prompt, read at
@@ -49,6 +52,7 @@ class AdaMix(AdaSnapKV):
     their union."""
 
     name = "adamix"
+    pool_kernel: int = 15
     mix: float = 0.5
     combine: str = "union"
 

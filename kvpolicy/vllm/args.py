@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("budget", int, None, "tokens kept per KV head after the prompt"),
         ("ratio", float, None, "fraction of prompt tokens kept (instead of --kv-budget)"),
         ("window", int, defaults.window, "observation window: last prompt queries that score tokens"),
-        ("pool_kernel", int, defaults.pool_kernel, "max-pooling kernel over token scores"),
+        ("pool_kernel", int, None,
+         "max-pooling kernel over token scores (default: 7, SnapKV's; adamix 15, which keeps a whole 7-digit number)"),
         ("sink_tokens", int, None, "attention-sink tokens always kept (default: streaming, d2o 4; pod 16, the paper's n_s)"),
         ("recent_tokens", int, None,
          "most recent tokens always kept (default: h2o 64; pod 1008, proximal = 1/8 of the default model's 8K "

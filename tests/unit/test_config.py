@@ -114,6 +114,12 @@ def test_ada_options_reach_the_policies_that_take_them():
         KVPolicyConfig(policy="adamix", budget=128, combine="max")
 
 
+def test_pool_kernel_is_the_policys_own_unless_given():
+    assert KVPolicyConfig(policy="snapkv", budget=128).make_policy().pool_kernel == 7
+    assert KVPolicyConfig(policy="adamix", budget=128).make_policy().pool_kernel == 15
+    assert KVPolicyConfig(policy="adamix", budget=128, pool_kernel=7).make_policy().pool_kernel == 7
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
