@@ -179,6 +179,7 @@ def plot(rows: list[dict], path: Path) -> None:
         fig.text(0.5, 0.5, "no policy measured: the full cache solves no task x context of this run", ha="center")
         fig.savefig(path, dpi=110)
         return
+    palette = plt.get_cmap("tab20")  # one color per policy: a grid has more than matplotlib's ten
     fig, axes = plt.subplots(len(kinds), len(tasks), figsize=(3.6 * len(tasks), 3.2 * len(kinds)), squeeze=False)
     for row_axes, kind in zip(axes, kinds):
         for ax, task in zip(row_axes, tasks):
@@ -186,9 +187,9 @@ def plot(rows: list[dict], path: Path) -> None:
                 points = sorted((r[kind], r[task]) for r in summary if r["policy"] == policy and r[kind] is not None)
                 unbudgeted = [r[task] for r in summary if r["policy"] == policy and r["budget"] is r["ratio"] is None]
                 if points:
-                    ax.plot(*zip(*points), marker="o", color=f"C{i}", label=policy)
+                    ax.plot(*zip(*points), marker="os^Dv"[i % 5], color=palette(i % 20), label=policy)
                 elif unbudgeted:  # a policy that takes no budget (pod@full): one level
-                    ax.axhline(unbudgeted[0], ls=":", color=f"C{i}", label=policy)
+                    ax.axhline(unbudgeted[0], ls=":", color=palette(i % 20), label=policy)
             full = next(r[task] for r in summary if r["policy"] == "none")
             ax.axhline(full, color="k", ls="--", label="full cache")
             contexts = sorted(c for t, c in reliable if t == task)
@@ -200,10 +201,10 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_xlabel("budget (tokens per KV head)" if kind == "budget" else "compression ratio (share evicted)")
             ax.set_ylim(-0.05, 1.05)
         row_axes[0].set_ylabel("accuracy")
-    axes[0][0].legend(fontsize=7)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle("Task accuracy vs compression, SmolLM2-135M in vLLM (CPU);\ncontexts the full cache solves", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 #: vLLM's CPU worker binds its OpenMP threads to the cores this names (default: the first free one, so
