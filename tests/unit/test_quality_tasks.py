@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.common import policy_options
-from benchmarks.quality import policy_grid, reliable_cells, request_budget, summary_rows
+from benchmarks.quality import compared_cells, policy_grid, reliable_cells, request_budget, servable, summary_rows
 from benchmarks.tasks import COLORS, TASKS, TaskBuilder, TaskItem, is_hit
 
 
@@ -91,3 +91,21 @@ def test_summary_averages_only_where_the_full_cache_is_reliable():
     assert reliable == {("niah", 1000)}
     summary = {r["policy"]: r["niah"] for r in summary_rows(rows, reliable)}
     assert summary == {"none": 1.0, "snapkv": 0.5}
+
+
+def test_the_full_cache_is_compared_only_where_the_policies_ran():
+    rows = [
+        {"policy": "none", "budget": None, "ratio": None, "task": "niah", "context": 1000, "accuracy": 1.0},
+        {"policy": "none", "budget": None, "ratio": None, "task": "niah", "context": 8000, "accuracy": 0.0},
+        {"policy": "none", "budget": None, "ratio": None, "task": "passkey", "context": 8000, "accuracy": 1.0},
+        {"policy": "snapkv", "budget": None, "ratio": 0.75, "task": "niah", "context": 1000, "accuracy": 0.5},
+    ]
+    assert compared_cells(rows) == {("niah", 1000)}
+    summary = {r["policy"]: (r["niah"], r["mean"]) for r in summary_rows(rows, compared_cells(rows))}
+    assert summary == {"none": (1.0, 1.0), "snapkv": (0.5, 0.5)}
+
+
+def test_pairs_a_policy_cannot_serve_are_left_out_with_the_reason(model_path):
+    grid, left_out = servable([("snapkv", ["0.9"]), ("omnikv", ["0.5", "0.9"])], [1000], str(model_path))
+    assert grid == [("snapkv", ["0.9"]), ("omnikv", ["0.5"])]
+    assert len(left_out) == 1 and left_out[0].startswith("omnikv@0.9: Mem% 10% is below")
