@@ -92,19 +92,29 @@ def request_budget(label: str, prompt_len: int, policy: str = "none", num_layers
     return round((1 - fields["ratio"]) * prompt_len)
 
 
+def model_folder(model: str | None) -> str:
+    """The HF folder the harness runs: ``model``, or the prepared default model when None."""
+    from kvpolicy.model import prepare
+
+    return model or str(prepare())
+
+
+def layer_count(model: str | None) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_folder(model)).num_hidden_layers
+
+
 def run_engine(policy: str, cells: list[dict], model: str | None) -> None:
     """One engine, in this process, answering each cell (``budget``, ``items``, ``path``) in turn; a cell's answers
     are written to its ``path`` once they are in, so only its own prompts are ever in flight together."""
     import kvpolicy.vllm  # noqa: F401
     from tqdm import tqdm
-    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvpolicy.model import prepare
-
-    model = model or str(prepare())
-    num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
+    model = model_folder(model)
+    num_layers = layer_count(model)
     largest = max((request_budget(cell["budget"], len(item["ids"]), policy, num_layers)
                    for cell in cells if cell["budget"] != FULL_CACHE for item in cell["items"]), default=None)
     llm = LLM(
@@ -245,7 +255,8 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
         progress.update(len(missing))
     rows = []
     for (budget, task, length), (path, _) in cells.items():
-        hits = [is_hit(item, answer) for item, answer in zip(groups[(task, length)], json.loads(path.read_text())["answers"])]
+        answers = json.loads(path.read_text())["answers"]
+        hits = [is_hit(item, answer) for item, answer in zip(groups[(task, length)], answers)]
         rows.append({"policy": policy, **budget_fields(budget), "task": task, "context": length,
                      "accuracy": sum(hits) / len(hits), "n": len(hits)})
     return rows
@@ -283,10 +294,8 @@ def servable(grid: list[tuple[str, list[str]]], lengths: list[int], model: str |
     """The grid without the (policy, budget) pairs the policy cannot serve at some length, and why each was left out
     (omnikv's full-attention layers alone read more than a high ratio's Mem%)."""
     from kvpolicy.config import KVPolicyConfigError
-    from kvpolicy.model import prepare
-    from transformers import AutoConfig
 
-    num_layers = AutoConfig.from_pretrained(model or str(prepare())).num_hidden_layers
+    num_layers = layer_count(model)
     kept, left_out = [], []
     for policy, budgets in grid:
         fitting = []
@@ -305,9 +314,8 @@ def build_items(settings: dict) -> list[TaskItem]:
     from transformers import AutoTokenizer
 
     from benchmarks.tasks import TaskBuilder
-    from kvpolicy.model import prepare
 
-    builder = TaskBuilder(AutoTokenizer.from_pretrained(settings["model"] or str(prepare())))
+    builder = TaskBuilder(AutoTokenizer.from_pretrained(model_folder(settings["model"])))
     return [builder.build(task, length, depth, seed)
             for task in settings["tasks"] for length in settings["lengths"]
             for depth in settings["depths"]
