@@ -56,6 +56,13 @@ def _option_value(text: str):
     return text
 
 
+def model_folder(model: str | None) -> str:
+    """The HF folder a benchmark runs: ``model``, or the prepared default model when None."""
+    from kvpolicy.model import prepare
+
+    return model or str(prepare())
+
+
 def policy_options(spec: str) -> dict:
     """``LLM`` keyword arguments of a policy spec, ``name[:option=value,...]``."""
     name, _, rest = spec.partition(":")

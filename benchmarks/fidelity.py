@@ -38,7 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, passkey_prompts, policy_options, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR, haystack_prompts, model_folder, passkey_prompts, policy_options, write_results,
+)
 
 #: ``name`` or ``name:option=value`` (``common.policy_options``).
 POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
@@ -65,8 +67,6 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
     from vllm.inputs import TokensPrompt
     from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-    from kvpolicy.model import prepare
-
     class ForceTokens(AdapterLogitsProcessor):
         """Teacher forcing: the request's ``force_token_ids`` are sampled, whatever the model prefers."""
 
@@ -88,7 +88,7 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
 
     stock = policy == "stock"
     llm = LLM(
-        model or str(prepare()), dtype="float32", enforce_eager=True, max_model_len=4200, enable_prefix_caching=False,
+        model_folder(model), dtype="float32", enforce_eager=True, max_model_len=4200, enable_prefix_caching=False,
         max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0, logits_processors=[ForceTokens],
         **({} if stock else policy_options(policy)), **({"kv_budget": max(budgets)} if budgets else {}),
     )
@@ -195,7 +195,6 @@ def main() -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from kvpolicy.model import prepare
     from kvpolicy.policies import POLICIES
 
     out = args.out or RESULTS_DIR / ("fidelity_quick.json" if args.quick else "fidelity.json")
@@ -203,7 +202,7 @@ def main() -> int:
     count = args.prompts or (2 if args.quick else 20)
     budgets = args.budgets or ([256] if args.quick else [128, 256, 512])
     depths = args.depths or ([0.5] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
-    tokenizer = AutoTokenizer.from_pretrained(args.model or str(prepare()))
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(args.model))
     lengths = [round(2048 + i * (4000 - 2048) / max(count - 1, 1)) for i in range(count)]
     tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths, PASSKEY_LEN)}
 

@@ -45,7 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, markdown_table, policy_options, write_json, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR, markdown_table, model_folder, policy_options, write_json, write_results,
+)
 from benchmarks.tasks import ANSWER_TOKENS, TASKS, TaskItem, is_hit  # noqa: E402
 
 POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
@@ -90,13 +92,6 @@ def request_budget(label: str, prompt_len: int, policy: str = "none", num_layers
     if POLICIES[options["policy"]].selects_context:
         return KVPolicyConfig(**options, ratio=1 - fields["ratio"]).sparse_budget(prompt_len, num_layers)
     return round((1 - fields["ratio"]) * prompt_len)
-
-
-def model_folder(model: str | None) -> str:
-    """The HF folder the harness runs: ``model``, or the prepared default model when None."""
-    from kvpolicy.model import prepare
-
-    return model or str(prepare())
 
 
 def layer_count(model: str | None) -> int:
