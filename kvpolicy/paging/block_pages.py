@@ -11,16 +11,22 @@ class BlockPages:
     vLLM 0.32 keeps every layer's cache in one buffer; layer ``l``, block
     ``b``, head ``h`` is page ``layer_base[l] + b*H + h``. A request whose
     layers keep different amounts (OmniKV's host tier, PoD) packs its pages
-    into its first blocks and hands the rest back; subclasses say which
-    pages they use (``pages_in_use``).
+    into the blocks it may write, in ``order`` (``write_order``: with prefix
+    caching, never a block other requests read, and blocks still in the prefix
+    cache last), and hands the rest back; it reads from every block.
+    Subclasses say which pages they use (``pages_in_use``).
     """
 
-    def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int]):
+    def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int],
+                 order: Sequence[int] | None = None):
+        """``order``: the block-table positions the request may write, in the order it fills them;
+        by default every block, in table order."""
         self.layer_base = list(layer_base)
         self.num_layers = len(self.layer_base)
         self.num_heads = num_heads
         self.block_size = block_size
         self.blocks: list[int | None] = [int(b) for b in blocks]
+        self.order = list(range(len(self.blocks)) if order is None else order)
         self.free: list[int] = []
 
     def _page(self, layer: int, block: int, head: int) -> int:

@@ -85,7 +85,7 @@ class OffloadPlan:
 
     to_host: PageCopies
     on_device: PageCopies
-    keep_blocks: int
+    keep_blocks: set[int]  # block-table positions
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,9 @@ class OffloadedRequest(BlockPages):
         block_size: int,
         blocks: Sequence[int],
         full_layers: Sequence[bool],
+        order: Sequence[int] | None = None,
     ):
-        super().__init__(layer_base, num_heads, block_size, blocks)
+        super().__init__(layer_base, num_heads, block_size, blocks, order)
         self.full = list(full_layers)
         self.length = 0
         self.pages: list[list[list[int]]] = []  # full layers: every page; sparse layers: [tail page]
@@ -128,6 +129,8 @@ class OffloadedRequest(BlockPages):
         bs, heads = self.block_size, self.num_heads
         num_pages = math.ceil(length / bs)
         sparse = [layer for layer in range(self.num_layers) if not self.full[layer]]
+        if self.blocks_needed(length, staging_pages) > len(self.order):
+            raise ValueError(f"the offloaded request needs more blocks than the {len(self.order)} it may write")
         now = len(sparse) * heads * (num_pages - 1)
         growth = len(sparse) * heads * (math.ceil(max_length / bs) - 1) - now
         host_ids = iter(host.allocate(now, reserved=growth))
@@ -140,15 +143,13 @@ class OffloadedRequest(BlockPages):
                     page = next(host_ids)
                     to_host.append((self._page(layer, self.blocks[i], h), page))
                     self.host_pages[layer][h].append(page)
-        num_full = self.num_layers - len(sparse)
-        needed = heads * (num_full * num_pages + len(sparse) * (1 + staging_pages))
-        keep = min(math.ceil(needed / (self.num_layers * heads)) + 1, len(self.blocks))
+        keep = self.order[: self.blocks_needed(length, staging_pages)]
         staying = {
             self._page(layer, self.blocks[i], h)
             for layer in range(self.num_layers) if self.full[layer]
-            for h in range(heads) for i in range(min(keep, num_pages))
+            for h in range(heads) for i in keep if i < num_pages
         }
-        free = [p for b in self.blocks[:keep] for p in self._block_pages(b) if p not in staying]
+        free = [p for i in keep for p in self._block_pages(self.blocks[i]) if p not in staying]
         free.reverse()
         on_device = []
         self.pages = [[[] for _ in range(heads)] for _ in range(self.num_layers)]
@@ -171,7 +172,17 @@ class OffloadedRequest(BlockPages):
         self.staged = [[] for _ in range(self.num_layers)]
         for layer in sparse:
             self._grow_staging(layer, staging_pages)
-        return OffloadPlan(PageCopies.of(to_host), PageCopies.of(on_device), keep)
+        return OffloadPlan(PageCopies.of(to_host), PageCopies.of(on_device), set(keep))
+
+    def blocks_needed(self, length: int, staging_pages: int) -> int:
+        """Blocks an offload of ``length`` tokens keeps: every full layer's pages, a tail page and
+        ``staging_pages`` per sparse (layer, head), packed, and one spare for decode growth (capped
+        by the request's blocks: vLLM appends more as it grows)."""
+        num_sparse = self.full.count(False)
+        pages = self.num_heads * (
+            (self.num_layers - num_sparse) * math.ceil(length / self.block_size) + num_sparse * (1 + staging_pages)
+        )
+        return min(math.ceil(pages / (self.num_layers * self.num_heads)) + 1, len(self.blocks))
 
     def _grow_staging(self, layer: int, count: int) -> None:
         missing = count - len(self.staged[layer])

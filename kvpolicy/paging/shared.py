@@ -41,22 +41,21 @@ class SharedLayoutPlan:
 
     tokens: TokenMoves
     values: ValuePairs
-    keep_blocks: int
 
 
 class SharedPages(BlockPages):
     """Where each (layer, kv head) of one PoD request lives: main K/V pages and packed distant values."""
 
     def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int],
-                 keeps_distant_keys: np.ndarray):
+                 keeps_distant_keys: np.ndarray, order: Sequence[int] | None = None):
         """``keeps_distant_keys`` [layers, heads]: the (layer, head) pairs that are the lowest of their block."""
-        super().__init__(layer_base, num_heads, block_size, blocks)
+        super().__init__(layer_base, num_heads, block_size, blocks, order)
         self.keeps_keys = np.asarray(keeps_distant_keys, dtype=bool)
         self.lengths = np.zeros((self.num_layers, num_heads), dtype=np.int64)
         self.main: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(self.num_layers)]
         self.values: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(self.num_layers)]
         self.distant = (0, 0)  # [start, end) of the distant positions, fixed at layout
-        self.keep = len(self.blocks)
+        self.keep = list(range(len(self.blocks)))  # block-table positions the layout holds
 
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         """Global slots of ``positions`` of one (layer, head) in vLLM's stock layout."""
@@ -73,6 +72,20 @@ class SharedPages(BlockPages):
     def num_distant(self) -> int:
         return self.distant[1] - self.distant[0]
 
+    def _page_counts(self, length: int, distant: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """[layers, heads] main tokens, and pages of packed distant values, of a layout of ``length`` tokens."""
+        start, end = distant
+        counts = np.where(self.keeps_keys, length, length - (end - start))
+        value_pages = np.where(self.keeps_keys, 0, math.ceil(math.ceil((end - start) / 2) / self.block_size))
+        return counts, value_pages
+
+    def blocks_needed(self, length: int, distant: tuple[int, int]) -> int:
+        """Blocks a layout of ``length`` tokens packs into, plus one spare for decode growth: vLLM
+        appends a block only when the request's length crosses a block boundary, heads fill earlier."""
+        counts, value_pages = self._page_counts(length, distant)
+        needed = int((-(-counts // self.block_size)).sum() + value_pages.sum())
+        return math.ceil(needed / (self.num_layers * self.num_heads)) + 1
+
     def layout(self, length: int, distant: tuple[int, int]) -> SharedLayoutPlan:
         """Plan the move of ``length`` tokens in vLLM's stock layout to this layout; ``distant`` [start, end)."""
         bs = self.block_size
@@ -80,11 +93,9 @@ class SharedPages(BlockPages):
         self.distant = distant
         proximal = torch.cat([torch.arange(start), torch.arange(end, length)])
         pairs = math.ceil((end - start) / 2)
-        counts = np.where(self.keeps_keys, length, length - (end - start))
-        value_pages = np.where(self.keeps_keys, 0, math.ceil(pairs / bs))
-        needed = int((-(-counts // bs)).sum() + value_pages.sum())
-        self.keep = min(math.ceil(needed / (self.num_layers * self.num_heads)) + 1, len(self.blocks))
-        pool = [p for b in self.blocks[: self.keep] for p in self._block_pages(b)]
+        counts, value_pages = self._page_counts(length, distant)
+        self.keep = self.order[: self.blocks_needed(length, distant)]
+        pool = [p for position in self.keep for p in self._block_pages(self.blocks[position])]
         pool.reverse()
         src, dst, even, odd, pair_dst = [], [], [], [], []
         distant_positions = torch.arange(start, end)
@@ -107,7 +118,6 @@ class SharedPages(BlockPages):
         return SharedLayoutPlan(
             TokenMoves(torch.cat(src), torch.cat(dst)),
             ValuePairs(*(torch.cat(parts) if parts else empty for parts in (even, odd, pair_dst))),
-            self.keep,
         )
 
     def append(self) -> torch.Tensor:
@@ -131,8 +141,8 @@ class SharedPages(BlockPages):
         return self._slots(self.values[layer][head], math.ceil(self.num_distant / 2), self.block_size)
 
     def blocks_to_keep(self, length: int | None = None) -> set[int]:
-        """The blocks the layout packed into, plus one spare for decode growth (see ``layout``)."""
-        return set(range(self.keep))
+        """The blocks the layout packed into, plus one spare for decode growth (``blocks_needed``)."""
+        return set(self.keep)
 
     def pages_in_use(self) -> list[int]:
         return [p for table in (self.main, self.values) for layer in table for head in layer for p in head]

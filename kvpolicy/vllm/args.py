@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "the kept tokens of one GPU) or rank (each rank allocates over its own heads, no collective)"),
         ("offload", float, None,
          "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
-         "the full-attention layers and the pages loaded for each step (no prefix caching)"),
+         "the full-attention layers and the pages loaded for each step"),
     ]
     for name, convert, default, help_text in options:
         group.add_argument(
@@ -191,19 +191,9 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
 
 
 def _prepare_prefix_caching(engine_args: EngineArgs, config: KVPolicyConfig) -> None:
-    """Prefix caching stays as asked (vLLM's default: on) for policies that relocate within a
-    request's own blocks (``connector.py`` keeps cached and shared blocks intact). PoD's layout
-    and OmniKV's host tier move pages across every block of a request: for them it is off."""
-    policy = POLICIES[config.policy]
-    if policy.shares_scores or config.offload is not None:
-        if engine_args.enable_prefix_caching:
-            what = f"--kv-policy {config.policy}" + (" --kv-offload" if config.offload is not None else "")
-            raise KVPolicyConfigError(
-                f"{what} lays KV pages out over every block of a request, which prefix caching would share "
-                "between requests; drop --enable-prefix-caching"
-            )
-        engine_args.enable_prefix_caching = False
-        return
+    """Prefix caching stays as asked (vLLM's default: on): every policy writes only a request's own
+    blocks, never those other requests read, and the scheduler takes the blocks a request keeps out of
+    the prefix cache (``connector.py``)."""
     if engine_args.enable_prefix_caching is False:
         return
     # The scheduler must learn which blocks a step relocated before it schedules the next one.

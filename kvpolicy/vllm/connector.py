@@ -173,8 +173,8 @@ class KVPolicyConnector(KVConnectorBase_V1):
             request = WORKER_STATE.offloaded.get(req_id)
             if request is None:
                 continue
-            keep_blocks[req_id] = set(range(keep))
-            _release(request, keep_blocks[req_id], counters)
+            keep_blocks[req_id] = keep
+            _release(request, keep, counters)
         WORKER_STATE.offloaded_this_step.clear()
         return BlockReleases(keep_blocks) if keep_blocks else None
 

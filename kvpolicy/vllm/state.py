@@ -78,7 +78,7 @@ class WorkerState:
     #: Prompts left on the stock path: their own blocks could not hold what the policy keeps.
     uncompressed: set[str] = field(default_factory=set)
     offloaded: dict[str, OffloadedRequest] = field(default_factory=dict)
-    offloaded_this_step: dict[str, int] = field(default_factory=dict)  # req id -> blocks it keeps
+    offloaded_this_step: dict[str, set[int]] = field(default_factory=dict)  # req id -> block-table positions it keeps
     host: HostPagePool | None = None
     family: dict[str, Policy] = field(default_factory=dict)  # other policies of the family, by name
     ops: str | None = None  # the backend's KVOps class, for logs and tests

@@ -167,7 +167,9 @@ class StepBuilder:
     def _sharing(self, batch: HostBatch) -> SharingStep | None:
         """PoD: decode rows of laid-out requests attend on the sharing path; a request whose computed
         tokens are all in the cache this step, with a page's worth of distant tokens, is laid out
-        after the step's last layer (its blocks past the layout go back to vLLM)."""
+        after the step's last layer (its blocks past the layout go back to vLLM). With prefix caching
+        the layout writes only its own blocks (``write_order``); a prompt whose own blocks cannot hold
+        it stays on the stock path."""
         runner = WORKER_STATE.runner
         policy = WORKER_STATE.policy
         qsl, seq_lens = batch.query_start_loc, batch.seq_lens.numpy()
@@ -181,7 +183,7 @@ class StepBuilder:
                 WORKER_STATE.forget([req_id])  # preempted and recomputed from scratch
                 pages = None
             extra = runner.requests[req_id].sampling_params.extra_args or {}
-            if query_len == 0 or extra.get(REQUEST_POLICY_KEY) == "none":
+            if query_len == 0 or extra.get(REQUEST_POLICY_KEY) == "none" or req_id in WORKER_STATE.uncompressed:
                 continue
             if pages is not None:
                 if query_len != 1:
@@ -194,7 +196,13 @@ class StepBuilder:
                 continue  # a prompt chunk, or too few distant tokens to free a page
             space = WORKER_STATE.page_space()
             blocks = batch.block_table[row, :num_blocks].tolist()
-            pages = SharedPages(space.layer_base, self.num_kv_heads, self.block_size, blocks, self._keeps_distant_keys)
+            shared, cached = WORKER_STATE.block_sharing.get(req_id, ((), ()))
+            order = write_order(num_blocks, shared, cached)
+            pages = SharedPages(space.layer_base, self.num_kv_heads, self.block_size, blocks, self._keeps_distant_keys, order)
+            if shared and pages.blocks_needed(seq_len, (start, end)) > len(order):
+                WORKER_STATE.uncompressed.add(req_id)
+                WORKER_STATE.counters["shared_prefix_uncompressed"] += 1
+                continue
             layouts.append(pages.layout(seq_len, (start, end)))
             WORKER_STATE.requests[req_id] = pages
             WORKER_STATE.relocated_this_step[req_id] = (True, seq_len)
@@ -282,14 +290,20 @@ class StepBuilder:
         return self.plan(query_start_loc, seq_lens, block_table, 1, self.queries_per_kv)
 
     def _offload(self, req_id: str, block_table, length: int, budget: int) -> OffloadPlan | None:
-        """Plan the offload of a prompt that completes this step; None when the host pool is full."""
+        """Plan the offload of a prompt that completes this step; None when the host pool is full, or
+        when with prefix caching its own blocks cannot hold what stays on the device."""
         space = WORKER_STATE.page_space()
         num_blocks = -(-length // self.block_size)
+        shared, cached = WORKER_STATE.block_sharing.get(req_id, ((), ()))
+        order = write_order(num_blocks, shared, cached)
         request = OffloadedRequest(
             space.layer_base, self.num_kv_heads, self.block_size, block_table[:num_blocks].tolist(),
-            [source is None for source in self._source_layers],
+            [source is None for source in self._source_layers], order,
         )
         staging = -(-budget // self.block_size) - 1
+        if request.blocks_needed(length, staging) > len(order):
+            WORKER_STATE.counters["shared_prefix_uncompressed"] += 1
+            return None
         try:
             plan = request.offload(length, WORKER_STATE.host_pool(), staging, self.max_model_len)
         except MemoryError:

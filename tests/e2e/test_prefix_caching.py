@@ -4,7 +4,8 @@ A prompt that starts with a cached prefix reads it from the blocks an earlier
 request handed back, computes the rest, and is then compressed over its whole
 prompt: its output equals the output with prefix caching off. Blocks a
 relocated request keeps leave the prefix cache, so no later prompt is served
-relocated pages. H2O/D2O (scores from every prompt query) and KeyDiff
+relocated pages; PoD's layout and OmniKV's offload also write only the
+request's own blocks. H2O/D2O (scores from every prompt query) and KeyDiff
 (evicts chunk by chunk) do not read the prefix cache: their outputs equal
 too, with no hits. A prompt whose blocks are mostly shared with running
 requests has no room of its own to relocate into and stays uncompressed.
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from benchmarks.server import scrape
+from kvpolicy.policies import POLICIES
 from tests.e2e.conftest import SERVED_NAME
 
 SHARED_PREFIX = "2000"
@@ -24,7 +26,7 @@ BLOCK_SIZE = 128
 def shared_prefix_runs(engine_run, policy: str, *flags: str) -> tuple[dict, dict]:
     """The same prompts (a 2,000-token prefix, then their own tails; the first alone, then the rest at
     once) with prefix caching off and on."""
-    budget = () if policy == "none" else ("--budget", "256")
+    budget = ("--budget", "256") if POLICIES[policy].needs_budget else ()
     args = ("--policy", policy, *budget, "--max-model-len", "4096", "--shared-prefix", SHARED_PREFIX, *flags)
     return engine_run(*args), engine_run(*args, "--prefix-caching")
 
@@ -46,6 +48,30 @@ def test_a_prompt_after_a_cached_prefix_hits_it_and_compresses_to_the_same_outpu
     assert off["prefix_cache_hits"] == 0
     assert on["counters"]["relocated_requests"] == off["counters"]["relocated_requests"] == 2
     assert on["counters"]["released_blocks"] == off["counters"]["released_blocks"]
+    assert_same_outputs(off, on)
+    assert on["kv_cache_usage_end"] == 0
+
+
+def test_pod_lays_out_a_prompt_after_a_cached_prefix_to_the_same_output(engine_run):
+    off, on = shared_prefix_runs(engine_run, "pod", "--recent-tokens", "128", "--prompt-lens", "100", "150")
+    first, second = (request["cached_tokens"] for request in on["requests"])
+    # The first layout filled its own last block, then its cached ones from the end: the lowest layers keep
+    # every token, so it holds 14 of its 17 blocks and the 3 first stay cached.
+    assert first == 0 and second == 3 * BLOCK_SIZE and on["prefix_cache_hits"] == second
+    assert on["counters"]["pod_layouts"] == off["counters"]["pod_layouts"] == 2
+    assert on["counters"]["released_blocks"] == off["counters"]["released_blocks"] > 0
+    assert_same_outputs(off, on)
+    assert on["kv_cache_usage_end"] == 0
+
+
+def test_offloaded_omnikv_after_a_cached_prefix_hits_it_and_gives_the_same_output(engine_run):
+    off, on = shared_prefix_runs(engine_run, "omnikv", "--offload", "1", "--prompt-lens", "100", "150")
+    first, second = (request["cached_tokens"] for request in on["requests"])
+    # The first request kept 7 of its 17 blocks (8 full layers' pages, 22 sparse layers' tail and staging
+    # pages, a spare block), its last ones: the 10 before stay cached.
+    assert first == 0 and second == 10 * BLOCK_SIZE and on["prefix_cache_hits"] == second
+    assert on["counters"]["offloaded_requests"] == off["counters"]["offloaded_requests"] == 2
+    assert on["counters"]["released_blocks"] == off["counters"]["released_blocks"] > 0
     assert_same_outputs(off, on)
     assert on["kv_cache_usage_end"] == 0
 

@@ -56,9 +56,6 @@ def test_serve_help_lists_the_kv_options():
         (["--kv-budget", "64"], "--kv-budget need --kv-policy"),
         (["--kv-policy", "identity", "--kv-budget", "9000", "--max-model-len", "2048"],
          "--kv-budget 9000 is larger than --max-model-len 2048"),
-        (["--kv-policy", "pod", "--enable-prefix-caching"], "drop --enable-prefix-caching"),
-        (["--kv-policy", "omnikv", "--kv-budget", "512", "--kv-offload", "2", "--enable-prefix-caching"],
-         "--kv-policy omnikv --kv-offload lays KV pages out over every block"),
         (["--kv-policy", "snapkv", "--kv-budget", "64", "--async-scheduling"], "needs vLLM's synchronous scheduler"),
     ],
 )

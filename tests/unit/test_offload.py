@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvpolicy.paging import HostPagePool, OffloadedRequest
+from kvpolicy.paging.page_table import write_order
 
 L, H, BS, NUM_BLOCKS = 4, 2, 4, 12
 FULL = [True, True, False, False]  # layers 0-1 attend to everything, 2-3 are sparse
@@ -46,17 +47,46 @@ def test_offload_puts_every_page_where_the_request_reads_it_and_frees_blocks():
                 assert host.pages[request.host_pages[layer][head], 0].tolist() == [stamp(layer, i, head) for i in range(5)]
                 assert device[request.pages[layer][head][0], 0].item() == stamp(layer, 5, head)
     # Per head 2 full layers x 6 pages + 2 tails + 2 x 1 staging page: 16 pages, 4 blocks of 8, and a spare.
-    assert plan.keep_blocks == 5
+    assert plan.keep_blocks == set(range(5))
     kept = {BASE[layer] + b * H + h for layer in range(L) for b in blocks[:5] for h in range(H)}
     used = [p for tables in (request.pages, request.staging) for layer in tables for head in layer for p in head]
     assert len(used) == len(set(used)) and set(used) <= kept
-    assert request.release_except(set(range(plan.keep_blocks))) == 1 and request.live_blocks() == 5
+    assert request.release_except(plan.keep_blocks) == 1 and request.live_blocks() == 5
+
+
+def test_with_prefix_caching_the_offload_writes_only_its_own_blocks():
+    """Block 0 is read by another request, 2-3 are in the prefix cache: the full layers' pages of
+    block 0 move, the other positions' stay where they are, and nothing is written to block 0."""
+    blocks = [5, 1, 8, 3, 10, 0]
+    order = write_order(6, shared=[0], cached=[2, 3])
+    request = OffloadedRequest(BASE, H, BS, blocks, FULL, order)
+    assert request.blocks_needed(22, 1) == 5 == len(order)
+    host = HostPagePool(64, 1, torch.float32)
+    device = stock_buffer(blocks, 6)
+    before = device.clone()
+    plan = request.offload(22, host, 1, max_length=40)
+    shared = {BASE[layer] + blocks[0] * H + h for layer in range(L) for h in range(H)}
+    assert not shared & set(plan.on_device.dst.tolist())
+    plan.to_host.apply(device, host.pages)
+    plan.on_device.apply(device, device)
+    assert torch.equal(device[sorted(shared)], before[sorted(shared)])
+    for layer in (0, 1):
+        for head in range(H):
+            assert device[request.full_table(layer)[head], 0].tolist() == [stamp(layer, i, head) for i in range(6)]
+    assert plan.keep_blocks == {1, 2, 3, 4, 5}
+    assert request.release_except(plan.keep_blocks) == 1
+
+
+def test_an_offload_without_room_in_its_own_blocks_is_refused():
+    request = OffloadedRequest(BASE, H, BS, [5, 1, 8, 3, 10, 0], FULL, write_order(6, shared=[0, 1, 2]))
+    with pytest.raises(ValueError, match="needs more blocks than the 3 it may write"):
+        request.offload(22, HostPagePool(64, 1, torch.float32), 1, max_length=40)
 
 
 def test_decode_flushes_full_tails_and_sparse_calls_read_the_selection():
     blocks = [5, 1, 8, 3]
     request, host, device, plan = offloaded(16, blocks, staging=2)  # 4 full pages: the tail is full
-    request.release_except(set(range(plan.keep_blocks)))
+    request.release_except(plan.keep_blocks)
     request.add_blocks([7])  # vLLM's block for tokens 16-19
     slots, flushes = request.append(host)
     assert request.length == 17

@@ -8,6 +8,7 @@ import torch
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import SharedPages
+from kvpolicy.paging.page_table import write_order
 from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers, js_similarity, proximal_gate, shared_attention
 
 
@@ -112,36 +113,66 @@ def _apply(plan, buffer):
     buffer[plan.values.dst, 0], buffer[plan.values.dst, 1] = even, odd
 
 
-def test_shared_layout_keeps_distant_keys_only_in_lowest_layers_and_frees_blocks():
-    layers, heads, bs, length = 3, 2, 4, 64
-    blocks = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()  # 16 blocks of 4 tokens
-    keeps = np.array([[True, True], [False, True], [False, False]])
-    base = [0, 16 * heads, 32 * heads]
-    pages = SharedPages(base, heads, bs, blocks, keeps)
-    # Token i of (layer, head) in vLLM's layout holds K = 1000*layer + 100*head + i, V = -(that).
-    buffer = torch.zeros(3 * 16 * heads * bs, 2, 1)
-    for layer in range(layers):
-        for h in range(heads):
-            for i in range(length):
-                slot = (base[layer] + blocks[i // bs] * heads + h) * bs + i % bs
+LAYERS, HEADS, BS, LENGTH = 3, 2, 4, 64
+KEEPS = np.array([[True, True], [False, True], [False, False]])
+BASE = [0, 16 * HEADS, 32 * HEADS]
+
+
+def _stock_buffer(blocks):
+    """16 blocks of 4 tokens; token i of (layer, head) in vLLM's layout holds K = 1000*layer + 100*head + i, V = -(that)."""
+    buffer = torch.zeros(3 * 16 * HEADS * BS, 2, 1)
+    for layer in range(LAYERS):
+        for h in range(HEADS):
+            for i in range(LENGTH):
+                slot = (BASE[layer] + blocks[i // BS] * HEADS + h) * BS + i % BS
                 buffer[slot, 0] = 1000 * layer + 100 * h + i
                 buffer[slot, 1] = -(1000 * layer + 100 * h + i)
-    plan = pages.layout(length, (2, 56))  # 2 sinks, 54 distant, 8 recent
-    _apply(plan, buffer)
-    for layer in range(layers):
+    return buffer
+
+
+def _assert_laid_out(pages, buffer):
+    for layer in range(LAYERS):
         for h, slots in enumerate(pages.main_slots(layer)):
-            positions = list(range(length)) if keeps[layer, h] else [*range(2), *range(56, 64)]
+            positions = list(range(LENGTH)) if KEEPS[layer, h] else [*range(2), *range(56, 64)]
             assert buffer[slots, 0, 0].tolist() == [1000 * layer + 100 * h + i for i in positions]
             assert buffer[slots, 1, 0].tolist() == [-(1000 * layer + 100 * h + i) for i in positions]
-            if not keeps[layer, h]:
+            if not KEEPS[layer, h]:
                 pairs = buffer[pages.value_slots(layer, h), :, 0]
                 assert pairs.flatten().tolist() == [-(1000 * layer + 100 * h + i) for i in range(2, 56)]
+
+
+def test_shared_layout_keeps_distant_keys_only_in_lowest_layers_and_frees_blocks():
+    blocks = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
+    pages = SharedPages(BASE, HEADS, BS, blocks, KEEPS)
+    buffer = _stock_buffer(blocks)
+    _apply(pages.layout(LENGTH, (2, 56)), buffer)  # 2 sinks, 54 distant, 8 recent
+    _assert_laid_out(pages, buffer)
     # 3 (layer, head) pairs keep 64 tokens (16 pages), 3 keep 10 (3 pages) and 27 value pairs (7 pages):
     # 78 pages, 6 to a block, plus a spare block.
-    assert plan.keep_blocks == 78 // 6 + 1 == len(pages.blocks_to_keep()) == 14
+    assert pages.blocks_to_keep() == set(range(78 // 6 + 1))
     assert pages.kept_tokens() == 3 * 64 + 3 * 10 + 3 * 27
-    assert pages.release_except(set(range(plan.keep_blocks))) == 2
+    assert pages.release_except(pages.blocks_to_keep()) == 2
     slots = pages.append()
-    assert slots.shape == (layers, heads)
-    assert len(set(slots.flatten().tolist())) == layers * heads
+    assert slots.shape == (LAYERS, HEADS)
+    assert len(set(slots.flatten().tolist())) == LAYERS * HEADS
     assert pages.lengths.tolist() == [[65, 65], [11, 65], [11, 11]]
+
+
+def test_shared_layout_never_writes_blocks_other_requests_read():
+    """With prefix caching: blocks 0-1 are read by another request, 2-5 are in the prefix cache."""
+    blocks = torch.randperm(16, generator=torch.Generator().manual_seed(1)).tolist()
+    order = write_order(16, shared=[0, 1], cached=[2, 3, 4, 5])
+    pages = SharedPages(BASE, HEADS, BS, blocks, KEEPS, order)
+    buffer = _stock_buffer(blocks)
+    before = buffer.clone()
+    assert pages.blocks_needed(LENGTH, (2, 56)) == 14 == len(order)
+    plan = pages.layout(LENGTH, (2, 56))
+    _apply(plan, buffer)
+    _assert_laid_out(pages, buffer)
+    shared_slots = {(BASE[layer] + blocks[b] * HEADS + h) * BS + t
+                    for layer in range(LAYERS) for b in (0, 1) for h in range(HEADS) for t in range(BS)}
+    assert not shared_slots & (set(plan.tokens.dst.tolist()) | set(plan.values.dst.tolist()))
+    assert torch.equal(buffer[sorted(shared_slots)], before[sorted(shared_slots)])
+    # Its own blocks first, then the cached ones from the last back; the shared ones are handed back.
+    assert pages.blocks_to_keep() == set(order)
+    assert pages.release_except(pages.blocks_to_keep()) == 2
