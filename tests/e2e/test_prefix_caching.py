@@ -52,25 +52,24 @@ def test_a_prompt_after_a_cached_prefix_hits_it_and_compresses_to_the_same_outpu
     assert on["kv_cache_usage_end"] == 0
 
 
-def test_pod_lays_out_a_prompt_after_a_cached_prefix_to_the_same_output(engine_run):
-    off, on = shared_prefix_runs(engine_run, "pod", "--recent-tokens", "128", "--prompt-lens", "100", "150")
+@pytest.mark.parametrize(
+    "policy, counter, cached_blocks",
+    [
+        # The lowest layers keep every token: the first layout holds 14 of its 17 blocks, the last ones.
+        (("pod", "--recent-tokens", "128"), "pod_layouts", 3),
+        # 8 full layers' pages, 22 sparse layers' tail and staging pages, a spare block: 7 of 17.
+        (("omnikv", "--offload", "1"), "offloaded_requests", 10),
+    ],
+    ids=["pod", "omnikv-offload"],
+)
+def test_layouts_over_every_layer_after_a_cached_prefix_hit_it_to_the_same_output(engine_run, policy, counter,
+                                                                                   cached_blocks):
+    """PoD's layout and OmniKV's offload fill the request's own block, then its cached ones from the end:
+    the first blocks stay cached for the next prompt."""
+    off, on = shared_prefix_runs(engine_run, policy[0], *policy[1:], "--prompt-lens", "100", "150")
     first, second = (request["cached_tokens"] for request in on["requests"])
-    # The first layout filled its own last block, then its cached ones from the end: the lowest layers keep
-    # every token, so it holds 14 of its 17 blocks and the 3 first stay cached.
-    assert first == 0 and second == 3 * BLOCK_SIZE and on["prefix_cache_hits"] == second
-    assert on["counters"]["pod_layouts"] == off["counters"]["pod_layouts"] == 2
-    assert on["counters"]["released_blocks"] == off["counters"]["released_blocks"] > 0
-    assert_same_outputs(off, on)
-    assert on["kv_cache_usage_end"] == 0
-
-
-def test_offloaded_omnikv_after_a_cached_prefix_hits_it_and_gives_the_same_output(engine_run):
-    off, on = shared_prefix_runs(engine_run, "omnikv", "--offload", "1", "--prompt-lens", "100", "150")
-    first, second = (request["cached_tokens"] for request in on["requests"])
-    # The first request kept 7 of its 17 blocks (8 full layers' pages, 22 sparse layers' tail and staging
-    # pages, a spare block), its last ones: the 10 before stay cached.
-    assert first == 0 and second == 10 * BLOCK_SIZE and on["prefix_cache_hits"] == second
-    assert on["counters"]["offloaded_requests"] == off["counters"]["offloaded_requests"] == 2
+    assert first == 0 and second == cached_blocks * BLOCK_SIZE and on["prefix_cache_hits"] == second
+    assert on["counters"][counter] == off["counters"][counter] == 2
     assert on["counters"]["released_blocks"] == off["counters"]["released_blocks"] > 0
     assert_same_outputs(off, on)
     assert on["kv_cache_usage_end"] == 0
