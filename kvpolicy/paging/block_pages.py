@@ -5,6 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 
+def drop_blocks(blocks: list[int | None], keep: set[int]) -> list[int]:
+    """Mark every live block-table position not in ``keep`` released (None); returns their block ids."""
+    dropped = []
+    for position, block in enumerate(blocks):
+        if block is not None and position not in keep:
+            dropped.append(block)
+            blocks[position] = None
+    return dropped
+
+
 class BlockPages:
     """The blocks one request holds, as pages of the global page space, and the free ones among them.
 
@@ -46,16 +56,12 @@ class BlockPages:
 
     def release_except(self, keep: set[int]) -> int:
         """Stop using every block-table position not in ``keep``; returns how many were live."""
-        gone, released = set(), 0
-        for position, block in enumerate(self.blocks):
-            if block is not None and position not in keep:
-                gone.update(self._block_pages(block))
-                self.blocks[position] = None
-                released += 1
+        dropped = drop_blocks(self.blocks, keep)
+        gone = {p for block in dropped for p in self._block_pages(block)}
         if gone.intersection(self.pages_in_use()):
             raise RuntimeError("a released block still holds pages of the request")
         self.free = [p for p in self.free if p not in gone]
-        return released
+        return len(dropped)
 
     def live_blocks(self) -> int:
         return sum(block is not None for block in self.blocks)

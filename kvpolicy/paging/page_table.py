@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpolicy.paging.block_pages import drop_blocks
+
 
 def stock_slots(blocks: torch.Tensor, num_heads: int, block_size: int, positions: torch.Tensor,
                 heads: torch.Tensor) -> torch.Tensor:
@@ -169,18 +171,13 @@ class RequestPages:
 
     def release_except(self, keep: set[int]) -> int:
         """Stop using every block-table position not in ``keep``; returns how many were live."""
-        released = 0
-        for position, block in enumerate(self.blocks):
-            if block is None or position in keep:
-                continue
-            gone = set(self._pages_of(block))
-            for layer, free in enumerate(self.free):
-                if any(p in gone for pages in self.head_pages[layer] for p in pages):
-                    raise RuntimeError(f"block {block} still holds pages of layer {layer}")
-                self.free[layer] = [p for p in free if p not in gone]
-            self.blocks[position] = None
-            released += 1
-        return released
+        dropped = drop_blocks(self.blocks, keep)
+        gone = {p for block in dropped for p in self._pages_of(block)}
+        for layer, free in enumerate(self.free):
+            if any(p in gone for pages in self.head_pages[layer] for p in pages):
+                raise RuntimeError(f"a released block still holds pages of layer {layer}")
+            self.free[layer] = [p for p in free if p not in gone]
+        return len(dropped)
 
     def live_blocks(self) -> int:
         """Blocks the request holds now (released ones excluded)."""
