@@ -7,7 +7,8 @@ need, and report their counters and memory snapshot as connector stats
 
 With prefix caching, the scheduler tells the workers, each step, which blocks
 of a prompt being read other requests also read (never written) and which are
-in the prefix cache (written last). Before the next step is scheduled (vLLM's
+in the prefix cache (written last); for PoD, whose short prompts are laid out
+once they decode past the recent window, of every request not laid out yet. Before the next step is scheduled (vLLM's
 CPU scheduler is synchronous; kvpolicy turns async scheduling off with prefix
 caching), the blocks a relocated request keeps leave the prefix cache and it
 caches no more: they hold its pages, not the tokens their hashes name. The
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.paging import OffloadedRequest, RequestPages
+from kvpolicy.policies import POLICIES
 from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
@@ -75,8 +77,9 @@ def _release(request: RequestPages | OffloadedRequest, keep: set[int], counters)
 class KVPolicyConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
-        # Scheduler side: requests whose prompt is being read, and relocated ones.
+        # Scheduler side: requests whose prompt is being read (PoD: not yet laid out), and relocated ones.
         self._reading: dict[str, Any] = {}
+        self._lays_out_in_decode = False
         self._relocated: dict[str, Any] = {}
         self._max_model_len = vllm_config.model_config.max_model_len
         self._block_size = vllm_config.cache_config.block_size
@@ -87,6 +90,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         config = stored_config(self._vllm_config.additional_config)
         if config is not None and config.reserve_growth:
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
+        self._lays_out_in_decode = config is not None and POLICIES[config.policy].shares_scores
 
     def growth_blocks(self) -> int:
         """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``)."""
@@ -110,7 +114,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         caching = manager is not None and manager.enable_caching
         sharing = {}
         for req_id, request in list(self._reading.items()):
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            if request.num_computed_tokens >= request.num_prompt_tokens and not self._lays_out_in_decode:
                 del self._reading[req_id]
             elif caching and req_id in scheduler_output.num_scheduled_tokens:
                 shared, cached = block_sharing(manager, req_id)
@@ -127,7 +131,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         releases = connector_output.kv_connector_worker_meta
         if isinstance(releases, BlockReleases):
             for req_id, keep in releases.keep.items():
-                request = self._reading.get(req_id) or self._relocated.get(req_id)
+                request = self._reading.pop(req_id, None) or self._relocated.get(req_id)
                 if request is not None:
                     self._relocated[req_id] = request
                 if self._kv_cache_manager.enable_caching:

@@ -75,6 +75,21 @@ def test_layouts_over_every_layer_after_a_cached_prefix_hit_it_to_the_same_outpu
     assert on["kv_cache_usage_end"] == 0
 
 
+def test_pod_layouts_in_decode_never_write_blocks_a_running_request_reads(engine_run):
+    """Prompts under PoD's layout length (16 sinks + 128 recent + a page: 272) are laid out as they decode.
+    The two last prompts run together, each reading the first prompt's cached block: the block both read
+    leaves too few of their own for a layout, so they stay on the stock path, with stock's tokens."""
+    args = ("--max-model-len", "4096", "--shared-prefix", "200", "--prompt-lens", "20", "60", "70",
+            "--max-tokens", "40", "--prefix-caching")
+    pod = engine_run("--policy", "pod", "--recent-tokens", "128", *args)
+    stock = engine_run("--policy", "none", *args)
+    assert [request["cached_tokens"] for request in pod["requests"]] == [0, BLOCK_SIZE, BLOCK_SIZE]
+    assert pod["counters"].get("pod_layouts", 0) == 0
+    assert pod["counters"]["shared_prefix_uncompressed"] == 2
+    assert_same_outputs(stock, pod)
+    assert pod["kv_cache_usage_end"] == 0
+
+
 @pytest.mark.parametrize("policy", ["h2o", "keydiff"])
 def test_policies_that_cannot_start_from_a_hit_do_not_read_the_cache(engine_run, policy):
     off, on = shared_prefix_runs(engine_run, policy, "--prompt-lens", "100", "150")
