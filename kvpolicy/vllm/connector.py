@@ -7,8 +7,10 @@ need, and report their counters and memory snapshot as connector stats
 
 With prefix caching, the scheduler tells the workers, each step, which blocks
 of a prompt being read other requests also read (never written) and which are
-in the prefix cache (written last); for PoD, whose short prompts are laid out
-once they decode past the recent window, of every request not laid out yet. Before the next step is scheduled (vLLM's
+in the prefix cache (written last). PoD lays short prompts out once they
+decode past the recent window, and an offload may come at the end of a
+recompute past the prompt (after a preemption): for them, of every request
+not moved yet. Before the next step is scheduled (vLLM's
 CPU scheduler is synchronous; kvpolicy turns async scheduling off with prefix
 caching), the blocks a relocated request keeps leave the prefix cache and it
 caches no more: they hold its pages, not the tokens their hashes name. The
@@ -77,9 +79,9 @@ def _release(request: RequestPages | OffloadedRequest, keep: set[int], counters)
 class KVPolicyConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
-        # Scheduler side: requests whose prompt is being read (PoD: not yet laid out), and relocated ones.
+        # Scheduler side: requests whose prompt is being read (or not moved yet, see above), and relocated ones.
         self._reading: dict[str, Any] = {}
-        self._lays_out_in_decode = False
+        self._moves_after_prompt = False
         self._relocated: dict[str, Any] = {}
         self._max_model_len = vllm_config.model_config.max_model_len
         self._block_size = vllm_config.cache_config.block_size
@@ -90,7 +92,9 @@ class KVPolicyConnector(KVConnectorBase_V1):
         config = stored_config(self._vllm_config.additional_config)
         if config is not None and config.reserve_growth:
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
-        self._lays_out_in_decode = config is not None and POLICIES[config.policy].shares_scores
+        self._moves_after_prompt = config is not None and (
+            POLICIES[config.policy].shares_scores or config.offload is not None
+        )
 
     def growth_blocks(self) -> int:
         """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``)."""
@@ -114,7 +118,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         caching = manager is not None and manager.enable_caching
         sharing = {}
         for req_id, request in list(self._reading.items()):
-            if request.num_computed_tokens >= request.num_prompt_tokens and not self._lays_out_in_decode:
+            if request.num_computed_tokens >= request.num_prompt_tokens and not self._moves_after_prompt:
                 del self._reading[req_id]
             elif caching and req_id in scheduler_output.num_scheduled_tokens:
                 shared, cached = block_sharing(manager, req_id)
