@@ -118,14 +118,35 @@ class LayerGroups:
         return cls.of(json.loads(Path(path).read_text())["blocks"])
 
 
-def _gate(own: torch.Tensor, distant_logits: torch.Tensor) -> torch.Tensor:
+def proximal_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """[G, m] float32: one KV head's query heads' scaled logits over this layer's own keys."""
+    return (query.float() @ keys.float().T) * scale
+
+
+def proximal_gate(own: torch.Tensor, distant_logits: torch.Tensor) -> torch.Tensor:
+    """Eq. 4's ``g`` per query head, [G]: the proximal tokens' share of the attention mass."""
     own_mass = own.logsumexp(dim=-1)
     return (own_mass - torch.logaddexp(own_mass, distant_logits.float().logsumexp(dim=-1))).exp()
 
 
-def proximal_gate(query: torch.Tensor, keys: torch.Tensor, distant_logits: torch.Tensor, scale: float) -> torch.Tensor:
-    """Eq. 4's ``g`` per query head, [G]: the proximal tokens' share of the attention mass (``shared_attention``'s arguments)."""
-    return _gate((query.float() @ keys.float().T) * scale, distant_logits)
+def attend_shared(
+    own: torch.Tensor,
+    values: torch.Tensor,
+    distant_logits: torch.Tensor | None,
+    distant_values: torch.Tensor | None,
+    tau: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shared_attention`` from the proximal logits ``own`` (``proximal_logits``), so a caller that
+    also needs them (a lowest layer's distant logits, the gate) computes them once."""
+    if distant_logits is None:
+        return own.softmax(dim=-1) @ values.float(), torch.zeros(own.shape[0], dtype=torch.bool)
+    logits = torch.cat([own, distant_logits.float()], dim=-1)
+    weights = logits.softmax(dim=-1)
+    out = weights[:, : own.shape[1]] @ values.float() + weights[:, own.shape[1] :] @ distant_values.float()
+    if tau is None:
+        return out, torch.zeros(own.shape[0], dtype=torch.bool)
+    skipped = proximal_gate(own, distant_logits) >= tau
+    return torch.where(skipped[:, None], own.softmax(dim=-1) @ values.float(), out), skipped
 
 
 def shared_attention(
@@ -144,16 +165,7 @@ def shared_attention(
     [G, n_d]: the lowest layer's scaled logits of the distant tokens, with ``distant_values`` [n_d, D]
     this layer's values of them; both None in a lowest layer.
     """
-    own = (query.float() @ keys.float().T) * scale
-    if distant_logits is None:
-        return own.softmax(dim=-1) @ values.float(), torch.zeros(query.shape[0], dtype=torch.bool)
-    logits = torch.cat([own, distant_logits.float()], dim=-1)
-    weights = logits.softmax(dim=-1)
-    out = weights[:, : own.shape[1]] @ values.float() + weights[:, own.shape[1] :] @ distant_values.float()
-    if tau is None:
-        return out, torch.zeros(query.shape[0], dtype=torch.bool)
-    skipped = _gate(own, distant_logits) >= tau
-    return torch.where(skipped[:, None], own.softmax(dim=-1) @ values.float(), out), skipped
+    return attend_shared(proximal_logits(query, keys, scale), values, distant_logits, distant_values, tau)
 
 
 @dataclass(frozen=True)

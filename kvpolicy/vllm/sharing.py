@@ -6,7 +6,7 @@ whole KV buffer: every token in each block's lowest layer, the proximal ones
 elsewhere, with the distant values packed two per slot; the connector then
 hands back the blocks the layout no longer uses. In decode, each layer
 writes the new K/V into the request's main sequences and attends in torch
-(``pod.shared_attention``): a block's lowest layer over everything, keeping
+(``pod.attend_shared``): a block's lowest layer over everything, keeping
 its distant logits for the layers above it; those layers over their own
 proximal keys plus the shared logits and their own distant values. All
 cache reads and writes go through ``KVOps``.
@@ -19,7 +19,7 @@ import functools
 import numpy as np
 import torch
 
-from kvpolicy.policies.pod import LayerGroups, proximal_gate, shared_attention
+from kvpolicy.policies.pod import LayerGroups, attend_shared, proximal_gate, proximal_logits
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import SharedBatch, SharingStep
@@ -76,21 +76,21 @@ class SharingPath:
             keys, values = keys.split(lengths), values.split(lengths)
             start, end = request.distant
             for head in range(heads):
-                q = query[token, head * group : (head + 1) * group]
+                own = proximal_logits(query[token, head * group : (head + 1) * group], keys[head], scale)
                 source = int(lowest[head])
                 if source == layer_idx:
                     if shared_from[head] and end > start:
-                        shared.distant_logits[row, head, layer_idx] = (q.float() @ keys[head][start:end].float().T) * scale
-                    result, _ = shared_attention(q, keys[head], values[head], None, None, scale)
+                        shared.distant_logits[row, head, layer_idx] = own[:, start:end]
+                    result, _ = attend_shared(own, values[head], None, None)
                 else:
                     distant_logits = shared.distant_logits[row, head, source]
                     counters["pod_distant_evaluated"] += group
-                    if tau is not None and bool((proximal_gate(q, keys[head], distant_logits, scale) >= tau).all()):
+                    if tau is not None and bool((proximal_gate(own, distant_logits) >= tau).all()):
                         counters["pod_distant_skipped"] += group
-                        result, _ = shared_attention(q, keys[head], values[head], None, None, scale)
+                        result, _ = attend_shared(own, values[head], None, None)
                     else:
-                        result, skipped = shared_attention(
-                            q, keys[head], values[head], distant_logits, self._distant_values(layer, pages, request, layer_idx, head), scale, tau
+                        result, skipped = attend_shared(
+                            own, values[head], distant_logits, self._distant_values(layer, pages, request, layer_idx, head), tau
                         )
                         counters["pod_distant_skipped"] += int(skipped.sum())
                 out[token, head * group : (head + 1) * group] = result.to(out.dtype)

@@ -68,7 +68,7 @@ class CapturingPolicy:
 
 
 class SharedAttentionRecords:
-    """PoD: every ``shared_attention`` call of the first decode step of the first laid-out row, by (layer, head)."""
+    """PoD: every per-head attention of the first decode step of the first laid-out row, by (layer, head)."""
 
     def __init__(self):
         self.records: dict[tuple[int, int], dict] = {}
@@ -77,31 +77,37 @@ class SharedAttentionRecords:
 
 
 def capture_shared_attention() -> SharedAttentionRecords:
-    """Wrap the sharing path so that its per-head attention calls are recorded with their inputs and output."""
+    """Wrap the sharing path so that its per-head attention is recorded with its inputs (the query and
+    keys its proximal logits come from) and its output."""
     from kvpolicy.vllm import sharing
 
     capture = SharedAttentionRecords()
-    attend_shared, attention = sharing.SharingPath._attend_shared, sharing.shared_attention
-    calls = []
+    attend_layer, logits_of, attend = sharing.SharingPath._attend_shared, sharing.proximal_logits, sharing.attend_shared
+    calls, pending = [], {}
 
-    def recording_attend(self, layer, layer_idx, query, out, shared, scale):
+    def recording_layer(self, layer, layer_idx, query, out, shared, scale):
         capture.layer = layer_idx
         calls.clear()
-        attend_shared(self, layer, layer_idx, query, out, shared, scale)
+        attend_layer(self, layer, layer_idx, query, out, shared, scale)
         if not capture.step_done:
             heads = len(shared.rows.head_of) // len(shared.requests)
             for head, (inputs, result) in enumerate(calls[:heads]):  # the first row's heads
                 capture.records[layer_idx, head] = {**inputs, "out": result, "distant": shared.requests[0].distant}
             capture.step_done = layer_idx == len(self._lowest) - 1
 
-    def recording_attention(query, keys, values, distant_logits, distant_values, scale, tau=None):
-        result = attention(query, keys, values, distant_logits, distant_values, scale, tau)
-        names = ("query", "keys", "values", "distant_logits", "distant_values")
-        calls.append(({n: None if t is None else t.clone() for n, t in zip(names, (query, keys, values, distant_logits, distant_values))} | {"scale": scale}, result[0].clone()))
+    def recording_logits(query, keys, scale):
+        pending.update(query=query.clone(), keys=keys.clone(), scale=scale)
+        return logits_of(query, keys, scale)
+
+    def recording_attend(own, values, distant_logits, distant_values, tau=None):
+        result = attend(own, values, distant_logits, distant_values, tau)
+        tensors = {"values": values, "distant_logits": distant_logits, "distant_values": distant_values}
+        calls.append(({**pending} | {n: None if t is None else t.clone() for n, t in tensors.items()}, result[0].clone()))
         return result
 
-    sharing.SharingPath._attend_shared = recording_attend
-    sharing.shared_attention = recording_attention
+    sharing.SharingPath._attend_shared = recording_layer
+    sharing.proximal_logits = recording_logits
+    sharing.attend_shared = recording_attend
     return capture
 
 

@@ -9,7 +9,7 @@ import torch
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import SharedPages
 from kvpolicy.paging.page_table import write_order
-from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers, js_similarity, proximal_gate, shared_attention
+from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers, js_similarity, proximal_gate, proximal_logits, shared_attention
 
 
 def reference_pod(q_own, k_own, v_own, q_low, k_low, sinks, recent, scale):
@@ -79,7 +79,7 @@ def test_tau_skips_the_distant_part_where_the_proximal_gate_reaches_it():
     torch.manual_seed(2)
     q, k, v = torch.randn(2, 8), torch.randn(6, 8), torch.randn(6, 8)
     distant_logits = torch.tensor([[-30.0, -30.0], [5.0, 5.0]])
-    gate = proximal_gate(q, k, distant_logits, 1.0)
+    gate = proximal_gate(proximal_logits(q, k, 1.0), distant_logits)
     assert gate[0] > 0.99 > gate[1]
     out, skipped = shared_attention(q, k, v, distant_logits, torch.randn(2, 8), 1.0, tau=0.99)
     assert skipped.tolist() == [True, False]
