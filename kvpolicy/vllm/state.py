@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages, SharedPages
+from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages, SharedPages, write_order
 from kvpolicy.policies import HeadGroup, Policy
 
 
@@ -188,6 +188,17 @@ class WorkerState:
         if len(observed) == self.requests[req_id].num_layers:
             del self.observed[req_id]
         return observed
+
+    def writable_blocks(self, req_id: str, num_blocks: int) -> tuple[list[int], bool]:
+        """The block-table positions a request may write this step, in the order to fill them
+        (``write_order`` over ``block_sharing``), and whether other requests read some of its blocks."""
+        shared, cached = self.block_sharing.get(req_id, ((), ()))
+        return write_order(num_blocks, shared, cached), bool(shared)
+
+    def leave_uncompressed(self, req_id: str) -> None:
+        """A prompt whose own blocks cannot hold what its policy keeps stays on the stock path."""
+        self.uncompressed.add(req_id)
+        self.counters["shared_prefix_uncompressed"] += 1
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids or ():

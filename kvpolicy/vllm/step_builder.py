@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots, write_order
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots
 from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
@@ -133,11 +133,9 @@ class StepBuilder:
                     stash.append(WindowStash(req_id, window_idx))
                 continue
             chooses = seq_len if reading else prompt_len
-            shared, cached = WORKER_STATE.block_sharing.get(req_id, ((), ()))
-            order = write_order(num_blocks, shared, cached)
+            order, shared = WORKER_STATE.writable_blocks(req_id, num_blocks)
             if shared and not self._has_room(order, WORKER_STATE.policy_named(extra.get(REQUEST_POLICY_KEY)), budget, chooses):
-                WORKER_STATE.uncompressed.add(req_id)
-                WORKER_STATE.counters["shared_prefix_uncompressed"] += 1
+                WORKER_STATE.leave_uncompressed(req_id)
                 continue
             pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist(),
                                  order)
@@ -196,12 +194,10 @@ class StepBuilder:
                 continue  # a prompt chunk, or too few distant tokens to free a page
             space = WORKER_STATE.page_space()
             blocks = batch.block_table[row, :num_blocks].tolist()
-            shared, cached = WORKER_STATE.block_sharing.get(req_id, ((), ()))
-            order = write_order(num_blocks, shared, cached)
+            order, shared = WORKER_STATE.writable_blocks(req_id, num_blocks)
             pages = SharedPages(space.layer_base, self.num_kv_heads, self.block_size, blocks, self._keeps_distant_keys, order)
             if shared and pages.blocks_needed(seq_len, (start, end)) > len(order):
-                WORKER_STATE.uncompressed.add(req_id)
-                WORKER_STATE.counters["shared_prefix_uncompressed"] += 1
+                WORKER_STATE.leave_uncompressed(req_id)
                 continue
             layouts.append(pages.layout(seq_len, (start, end)))
             WORKER_STATE.requests[req_id] = pages
@@ -294,8 +290,7 @@ class StepBuilder:
         when with prefix caching its own blocks cannot hold what stays on the device."""
         space = WORKER_STATE.page_space()
         num_blocks = -(-length // self.block_size)
-        shared, cached = WORKER_STATE.block_sharing.get(req_id, ((), ()))
-        order = write_order(num_blocks, shared, cached)
+        order, _ = WORKER_STATE.writable_blocks(req_id, num_blocks)
         request = OffloadedRequest(
             space.layer_base, self.num_kv_heads, self.block_size, block_table[:num_blocks].tolist(),
             [source is None for source in self._source_layers], order,
