@@ -17,6 +17,7 @@ from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_policy_na
 from kvpolicy.policies import POLICIES
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
+    MODEL_RUNNER_V2_ENV,
     AsyncEngineArgs,
     AttentionBackendEnum,
     EngineArgs,
@@ -166,8 +167,16 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
             "--kv-policy installs its own KV connector; drop --kv-transfer-config"
         )
     worker_cls = _platform_worker(engine_args, config)
+    # A policy's step is built on the host from the runner's request state and the blocks the step
+    # before relocated: vLLM's asynchronous scheduler (its CUDA default; CPU never uses it) prepares a
+    # step before the previous one's results are in.
+    if config.changes_attention:
+        if engine_args.async_scheduling:
+            raise KVPolicyConfigError(
+                f"--kv-policy {config.policy} needs vLLM's synchronous scheduler; drop --async-scheduling"
+            )
+        engine_args.async_scheduling = False
     if config.rewrites_blocks:
-        _prepare_prefix_caching(engine_args, config)
         if engine_args.speculative_config:
             raise KVPolicyConfigError(f"--kv-policy {config.policy} does not support speculative decoding")
         if POLICIES[config.policy].evicts_while_reading:
@@ -190,21 +199,6 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
     engine_args.worker_cls = worker_cls
 
 
-def _prepare_prefix_caching(engine_args: EngineArgs, config: KVPolicyConfig) -> None:
-    """Prefix caching stays as asked (vLLM's default: on): every policy writes only a request's own
-    blocks, never those other requests read, and the scheduler takes the blocks a request keeps out of
-    the prefix cache (``connector.py``)."""
-    if engine_args.enable_prefix_caching is False:
-        return
-    # The scheduler must learn which blocks a step relocated before it schedules the next one.
-    if engine_args.async_scheduling:
-        raise KVPolicyConfigError(
-            f"--kv-policy {config.policy} with prefix caching needs vLLM's synchronous scheduler; "
-            "drop --async-scheduling (or add --no-enable-prefix-caching)"
-        )
-    engine_args.async_scheduling = False
-
-
 def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
     """The worker for this platform; on CUDA, kvpolicy's backend wraps vLLM's Triton attention."""
     if current_platform.is_cpu():
@@ -223,6 +217,11 @@ def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
         raise KVPolicyConfigError(
             "--kv-offload is not available on CUDA in this release (its host tier was only run on CPU); drop it"
         )
+    if os.environ.get(MODEL_RUNNER_V2_ENV, "0").lower() not in ("0", "false"):
+        raise KVPolicyConfigError(
+            f"--kv-policy {config.policy} runs on vLLM's V1 model runner; unset {MODEL_RUNNER_V2_ENV}"
+        )
+    os.environ[MODEL_RUNNER_V2_ENV] = "0"
     return GPU_WORKER_CLS
 
 

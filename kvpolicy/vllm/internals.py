@@ -41,6 +41,10 @@ CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 #: The GPU worker (``worker_cls="auto"`` on CUDA).
 GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+#: On CUDA vLLM 0.32 picks its V2 model runner unless this is "0" (vllm/config/vllm.py:
+#: VllmConfig.use_v2_model_runner); kvpolicy's worker state and step builder read the V1 runner's
+#: ``requests``, ``input_batch`` and ``kv_caches``.
+MODEL_RUNNER_V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 #: Cores vLLM's CPU executor keeps away from the workers (vllm/utils/ompmultiprocessing.py).
 #: It adds one per rank for *any* KV connector (meant for NIXL transfers).
 CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -169,6 +173,7 @@ __all__ = [
     "KV_MEMORY_NEEDED_FUNCTIONS",
     "SamplingParams",
     "TRITON_ATTN_MODULE",
+    "MODEL_RUNNER_V2_ENV",
     "VLLMValidationError",
     "VllmConfig",
     "current_platform",

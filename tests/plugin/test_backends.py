@@ -2,18 +2,19 @@
 
 The CUDA backend cannot run here; what can be checked without a GPU is
 checked: it imports beside vLLM's Triton backend, keeps its name, mixes in
-the same dispatch, and reports to vLLM's CUDA-graph resolution that attention
-runs outside graphs only while a policy changes attention.
+the same dispatch, reports to vLLM's CUDA-graph resolution that attention
+runs outside graphs only while a policy changes attention, and prepares
+vLLM's options on CUDA as the engine run on a GPU needed them.
 """
 
 from types import SimpleNamespace
 
 import pytest
 
-from kvpolicy.config import KVPolicyConfig
-from kvpolicy.vllm import cpu_backend, cuda_backend
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.vllm import args, cpu_backend, cuda_backend
 from kvpolicy.vllm.attention import KVPolicyAttention
-from kvpolicy.vllm.internals import AttentionCGSupport
+from kvpolicy.vllm.internals import MODEL_RUNNER_V2_ENV, AttentionBackendEnum, AttentionCGSupport, EngineArgs
 
 
 @pytest.mark.parametrize(
@@ -37,3 +38,41 @@ def test_cuda_builder_gives_up_cuda_graphs_for_attention_only_while_a_policy_cha
 
     assert support(None) == support("none") == stock
     assert support("adasnap") == AttentionCGSupport.NEVER
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    monkeypatch.setattr(args, "current_platform", SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True))
+    monkeypatch.setenv(MODEL_RUNNER_V2_ENV, "0")  # restored after the test: the plugin sets it
+    monkeypatch.delenv(MODEL_RUNNER_V2_ENV)
+    return monkeypatch
+
+
+def test_on_cuda_a_policy_gets_vllms_triton_attention_v1_model_runner_and_synchronous_scheduler(on_cuda):
+    engine_args = EngineArgs(model="m")
+    args._prepare_engine_args(engine_args, KVPolicyConfig(policy="adasnap", budget=128))
+    assert engine_args.worker_cls == args.GPU_WORKER_CLS
+    assert engine_args.attention_backend == AttentionBackendEnum.TRITON_ATTN
+    assert engine_args.async_scheduling is False
+    assert args.os.environ[MODEL_RUNNER_V2_ENV] == "0"
+
+
+@pytest.mark.parametrize(
+    "options, env, message",
+    [
+        ({"attention_backend": AttentionBackendEnum.FLASH_ATTN}, {}, "drop --attention-backend FLASH_ATTN"),
+        ({"async_scheduling": True}, {}, "drop --async-scheduling"),
+        ({}, {MODEL_RUNNER_V2_ENV: "1"}, f"unset {MODEL_RUNNER_V2_ENV}"),
+    ],
+)
+def test_on_cuda_what_the_policy_cannot_run_beside_is_refused_with_what_to_change(on_cuda, options, env, message):
+    for name, value in env.items():
+        on_cuda.setenv(name, value)
+    with pytest.raises(KVPolicyConfigError, match=message):
+        args._prepare_engine_args(EngineArgs(model="m", **options), KVPolicyConfig(policy="adasnap", budget=128))
+
+
+def test_on_cuda_none_keeps_vllms_scheduler(on_cuda):
+    engine_args = EngineArgs(model="m")
+    args._prepare_engine_args(engine_args, KVPolicyConfig(policy="none"))
+    assert engine_args.async_scheduling is None
