@@ -163,6 +163,10 @@ def main() -> int:
     parser.add_argument("--tp-allocation", default=None, help="--kv-tp-allocation exact|rank")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="every prompt starts with the same this many tokens; the first runs alone, then the rest")
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM's --block-size (default: the platform's)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="CUDA: lower it to run engines side by side")
+    parser.add_argument("--attention-backend", default=None, help="vLLM's --attention-backend, by name")
+    parser.add_argument("--cuda-graphs", action="store_true", help="CUDA: let vLLM capture its graphs (no --enforce-eager)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -198,6 +202,12 @@ def main() -> int:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tensor_parallel))))
     if args.tp_allocation:
         kwargs["kv_tp_allocation"] = args.tp_allocation
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
+    if args.attention_backend:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        kwargs["attention_backend"] = AttentionBackendEnum[args.attention_backend]
     if args.no_reserve_growth:
         kwargs["kv_reserve_growth"] = False
     for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau"):
@@ -206,12 +216,12 @@ def main() -> int:
     llm = LLM(
         args.model,
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=not args.cuda_graphs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.chunk,
         enable_chunked_prefill=True,
         enable_prefix_caching=args.prefix_caching,
-        gpu_memory_utilization=0.5,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         seed=0,
         disable_log_stats=False,
         **kwargs,
