@@ -1,6 +1,6 @@
 """The whole engine on a GPU: stock vLLM, `none` and every policy on vLLM's CUDA platform, against the CPU engine.
 
-    python benchmarks/cuda_engine.py run --out gpu.json          # on a CUDA machine (about 5 minutes on an H100)
+    python benchmarks/cuda_engine.py run --out gpu.json          # on a CUDA machine (1.5 minutes on an H200)
     python benchmarks/cuda_engine.py run --out cpu.json          # the same configs on this CPU machine
     python benchmarks/cuda_engine.py compare gpu.json cpu.json   # writes results/cuda_engine.json and .md
 
