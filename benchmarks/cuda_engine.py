@@ -137,14 +137,14 @@ def run(args) -> None:
 
     on_cuda = torch.cuda.is_available()
     model, weights = tiny_model()
-    work = Path(tempfile.mkdtemp(prefix="cuda_engine."))
     jobs = {name: [*cfg, *COMMON, *(GPU_SHARE if on_cuda else [])] for name, cfg in CONFIGS.items()}
     if on_cuda:
         jobs |= {name: [*cfg["args"], *COMMON, *GPU_SHARE] for name, cfg in CUDA_CONFIGS.items()}
     payload = {**provenance(sys.argv), "device": torch.cuda.get_device_name() if on_cuda else "cpu",
                "model": MODEL_SHAPE, "weights_sha256": weights, "configs": {}}
-    with ThreadPoolExecutor(args.jobs) as pool, tqdm(total=len(jobs), desc="engines") as bar:
-        futures = {pool.submit(run_config, name, cfg, model, work): name for name, cfg in jobs.items()}
+    with tempfile.TemporaryDirectory(prefix="cuda_engine.") as work, ThreadPoolExecutor(args.jobs) as pool, \
+            tqdm(total=len(jobs), desc="engines") as bar:
+        futures = {pool.submit(run_config, name, cfg, model, Path(work)): name for name, cfg in jobs.items()}
         for future in as_completed(futures):
             name, record = futures[future], future.result()
             payload["configs"][name] = record
