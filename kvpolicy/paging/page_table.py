@@ -5,10 +5,14 @@ KV head. Viewing a layer's cache as one-head pages, block ``b`` holds pages
 ``b*H .. b*H+H-1`` and any of them may serve any head of that request. A
 relocated request packs each layer's kept tokens densely, head after head,
 into the pages of its first writable blocks, so the others are the ones a
-compressing policy can hand back. With prefix caching, the blocks other
-requests read are never written, and those still in the prefix cache are
-written last, from the end of the prompt (``write_order``), so a shared
-prefix keeps as many cached blocks as it can.
+compressing policy can hand back. With ``layer_base`` (vLLM's whole KV buffer
+as one page space, the CPU layout) the pages of every layer of a block form
+one pool: after the step's last layer, ``pack`` moves pages out of the blocks
+past the fewest that hold them all, so a layer that keeps more than the
+others borrows their pages instead of setting the block count of all. With
+prefix caching, the blocks other requests read are never written, and those
+still in the prefix cache are written last, from the end of the prompt
+(``write_order``), so a shared prefix keeps as many cached blocks as it can.
 """
 
 from __future__ import annotations
@@ -56,43 +60,68 @@ class RequestPages:
     """Per-(layer, kv head) pages and physical lengths of one request."""
 
     def __init__(self, num_layers: int, num_heads: int, block_size: int, blocks: Sequence[int],
-                 order: Sequence[int] | None = None):
+                 order: Sequence[int] | None = None, layer_base: Sequence[int] | None = None):
         """``order``: the block-table positions relocation may write, in the order it fills them
-        (``write_order``); by default every block, in table order."""
+        (``write_order``); by default every block, in table order. ``layer_base``: each layer's first
+        page in vLLM's whole KV buffer: page ids then index that buffer and every layer draws on one
+        pool; None: they index the layer's own cache and each layer has its own."""
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.block_size = block_size
+        self.pools_layers = layer_base is not None
+        self.layer_base = list(layer_base) if self.pools_layers else [0] * num_layers
         self.blocks: list[int | None] = []  # by vLLM block-table position; None once released
         self.lengths = np.zeros((num_layers, num_heads), dtype=np.int64)
         self.head_pages: list[list[list[int]]] = [
             [[] for _ in range(num_heads)] for _ in range(num_layers)
         ]
-        self.free: list[list[int]] = [[] for _ in range(num_layers)]
+        self.free: list[list[int]] = [[] for _ in range(1 if self.pools_layers else num_layers)]  # by pool
         self.relocated = [False] * num_layers
         self._table: np.ndarray | None = None  # head_pages as an array; None once pages change
         self.order: list[int] = list(range(len(blocks)) if order is None else order)
         self.add_blocks(blocks, writable=False)
 
-    def _pages_of(self, block: int) -> list[int]:
-        return [block * self.num_heads + h for h in range(self.num_heads)]
+    def _pool(self, layer: int) -> int:
+        return 0 if self.pools_layers else layer
+
+    def _pool_layers(self, pool: int) -> range:
+        return range(self.num_layers) if self.pools_layers else range(pool, pool + 1)
+
+    def _layer_pages(self, layer: int, block: int) -> list[int]:
+        return [self.layer_base[layer] + block * self.num_heads + h for h in range(self.num_heads)]
+
+    def _pages_of(self, block: int, pool: int) -> list[int]:
+        """The pages of ``block`` in ``pool``: its part of one layer's cache, or of every layer's."""
+        return [p for layer in self._pool_layers(pool) for p in self._layer_pages(layer, block)]
 
     def add_blocks(self, blocks: Sequence[int], writable: bool = True) -> None:
-        """Blocks vLLM appended to the request: new, so writable, and their pages free in every layer."""
+        """Blocks vLLM appended to the request: new, so writable, and their pages free in every pool."""
         for block in blocks:
             if writable:
                 self.order.append(len(self.blocks))
             self.blocks.append(int(block))
-            pages = self._pages_of(int(block))
-            for free in self.free:
-                free.extend(pages)
+            if writable:
+                for pool, free in enumerate(self.free):
+                    free.extend(self._pages_of(int(block), pool))
 
-    def _live_pool(self) -> list[int]:
-        """Pages relocation may write, in the order it fills them."""
-        return [p for pos in self.order if self.blocks[pos] is not None for p in self._pages_of(self.blocks[pos])]
+    def _live_order(self) -> list[int]:
+        """Block-table positions relocation may write and not yet released, in the order it fills them."""
+        return [pos for pos in self.order if self.blocks[pos] is not None]
 
-    def _stock_slots(self, head: int, positions: torch.Tensor) -> torch.Tensor:
+    def _rank(self, pool: int) -> dict[int, int]:
+        """Each writable page of ``pool``: its block's place in the write order."""
+        return {p: i for i, pos in enumerate(self._live_order()) for p in self._pages_of(self.blocks[pos], pool)}
+
+    def _held(self, layer: int) -> list[int]:
+        """Pages a layer's tokens occupy: before its first relocation its part of every block."""
+        if self.relocated[layer]:
+            return [p for pages in self.head_pages[layer] for p in pages]
+        return [p for block in self.blocks if block is not None for p in self._layer_pages(layer, block)]
+
+    def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        return stock_slots(blocks, self.num_heads, self.block_size, positions, torch.tensor([head])).view(-1)
+        slots = stock_slots(blocks, self.num_heads, self.block_size, positions, torch.tensor([head])).view(-1)
+        return slots + self.layer_base[layer] * self.block_size
 
     def _head_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         pages = torch.tensor(self.head_pages[layer][head], dtype=torch.int64)
@@ -106,13 +135,19 @@ class RequestPages:
         Before a layer's first relocation its tokens sit in vLLM's stock layout
         (token i of head h in page ``blocks[i // bs] * H + h``).
         """
-        slot_of = self._head_slots if self.relocated[layer] else (lambda _, h, p: self._stock_slots(h, p))
+        slot_of = self._head_slots if self.relocated[layer] else self._stock_slots
         return torch.cat([slot_of(layer, h, p.to(torch.int64)) for h, p in enumerate(positions)])
 
     def relocate(self, layer: int, keep: Sequence[torch.Tensor]) -> TokenMoves:
-        """Keep ``keep[h]`` (indices into head h's current sequence), packed densely from the first page."""
+        """Keep ``keep[h]`` (indices into head h's current sequence), packed densely from the first page.
+
+        The layer writes the pages it holds and the free ones of its pool, in
+        write order; the moves read every source before writing.
+        """
         src = self.current_slots(layer, keep)
-        pool = self._live_pool()
+        rank = self._rank(self._pool(layer))
+        candidates = set(self._held(layer)).union(self.free[self._pool(layer)]).intersection(rank)
+        pool = sorted(candidates, key=lambda p: (rank[p], p))
         counts = [int(kept.numel()) for kept in keep]
         needed = [math.ceil(n / self.block_size) for n in counts]
         if sum(needed) > len(pool):
@@ -123,7 +158,7 @@ class RequestPages:
             self.lengths[layer, head] = n
             cursor += n_pages
             dst.append(self._head_slots(layer, head, torch.arange(n, dtype=torch.int64)))
-        self.free[layer] = pool[cursor:]
+        self.free[self._pool(layer)] = pool[cursor:]
         self.relocated[layer] = True
         self._table = None
         return TokenMoves(src, torch.cat(dst))
@@ -138,7 +173,7 @@ class RequestPages:
         positions = self.lengths[:, :, None] + np.arange(count)  # [layers, heads, count]
         missing = -(-(self.lengths + count) // self.block_size) - self._page_counts()
         for layer, head in np.argwhere(missing > 0):
-            free = self.free[layer]
+            free = self.free[self._pool(layer)]
             if missing[layer, head] > len(free):
                 raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
             self.head_pages[layer][head].extend(free[: missing[layer, head]])
@@ -148,13 +183,43 @@ class RequestPages:
         self.lengths += count
         return (page_ids * self.block_size + positions % self.block_size).transpose(0, 2, 1)
 
-    def blocks_to_keep(self, length: int | None = None) -> set[int]:
-        """Block-table positions to hold after relocation: the fullest layer's pages and its spare ones.
+    def pack(self) -> TokenMoves:
+        """With one pool for every layer: move the pages held in blocks past the fewest that hold them
+        all into free pages of those blocks (whole pages), so ``blocks_to_keep`` can hand back the rest.
 
-        Pages are packed in ``order``, so a layer that needs ``p`` pages needs
-        the first ``ceil(p / H)`` blocks of it. vLLM appends a block (H pages
-        per layer) each time the request's ``length`` reaches a multiple of
-        ``block_size``, but heads reach a page boundary at their own steps:
+        Runs after the step's last layer, when no layer reads its stock layout
+        any more; destinations are free, so no move overwrites a source.
+        """
+        if not (self.pools_layers and all(self.relocated)):
+            raise RuntimeError("pack needs pages pooled across layers (layer_base), every layer relocated")
+        rank = self._rank(0)
+        held = [(layer, head, i, page) for layer in range(self.num_layers) for head in range(self.num_heads)
+                for i, page in enumerate(self.head_pages[layer][head])]
+        first = math.ceil(len(held) / (self.num_layers * self.num_heads))
+        holes = iter(p for p in self.free[0] if rank[p] < first)
+        src, dst = [], []
+        for layer, head, i, page in held:
+            if rank[page] >= first:
+                hole = next(holes)
+                self.head_pages[layer][head][i] = hole
+                src.append(page)
+                dst.append(hole)
+        if dst:
+            filled = set(dst)
+            self.free[0] = sorted([p for p in self.free[0] if p not in filled] + src, key=lambda p: (rank[p], p))
+            self._table = None
+        offsets = torch.arange(self.block_size, dtype=torch.int64)
+        as_slots = lambda pages: (torch.tensor(pages, dtype=torch.int64)[:, None] * self.block_size + offsets).view(-1)
+        return TokenMoves(as_slots(src), as_slots(dst))
+
+    def blocks_to_keep(self, length: int | None = None) -> set[int]:
+        """Block-table positions to hold after relocation: the fullest pool's pages and its spare ones.
+
+        Pages are packed in ``order`` (after ``pack`` when layers share a
+        pool), so a pool that needs ``p`` pages needs the first ``ceil(p / P)``
+        blocks of it, ``P`` its pages per block (H, or every layer's H). vLLM
+        appends a block each time the request's ``length`` reaches a multiple
+        of ``block_size``, but heads reach a page boundary at their own steps:
         until the next append, every head that fills its last page first takes
         a spare one. Each head fills at most one page per block appended, so
         those spares cover the request from then on. While a prompt is still
@@ -166,17 +231,20 @@ class RequestPages:
         else:
             before_next_block = -length % self.block_size
             pages = counts.sum(axis=1) + (-self.lengths % self.block_size < before_next_block).sum(axis=1)
-        live = [pos for pos in self.order if self.blocks[pos] is not None]
-        return set(live[: math.ceil(int(pages.max()) / self.num_heads)])
+        if self.pools_layers:
+            pages = pages.sum(keepdims=True)
+        per_block = len(self._pool_layers(0)) * self.num_heads
+        return set(self._live_order()[: math.ceil(int(pages.max()) / per_block)])
 
     def release_except(self, keep: set[int]) -> int:
         """Stop using every block-table position not in ``keep``; returns how many were live."""
         dropped = drop_blocks(self.blocks, keep)
-        gone = {p for block in dropped for p in self._pages_of(block)}
-        for layer, free in enumerate(self.free):
-            if any(p in gone for pages in self.head_pages[layer] for p in pages):
-                raise RuntimeError(f"a released block still holds pages of layer {layer}")
-            self.free[layer] = [p for p in free if p not in gone]
+        for pool, free in enumerate(self.free):
+            gone = {p for block in dropped for p in self._pages_of(block, pool)}
+            for layer in self._pool_layers(pool):
+                if any(p in gone for pages in self.head_pages[layer] for p in pages):
+                    raise RuntimeError(f"a released block still holds pages of layer {layer}")
+            self.free[pool] = [p for p in free if p not in gone]
         return len(dropped)
 
     def live_blocks(self) -> int:

@@ -209,3 +209,69 @@ def test_a_spare_page_only_for_heads_that_fill_their_page_before_the_next_block(
     assert len(pages.blocks_to_keep(3 * BS)) == 1  # vLLM's next block comes with the next token
     assert len(pages.blocks_to_keep(3 * BS + 2)) == 2  # two tokens first: each head takes a spare page
     assert len(pages.blocks_to_keep(None)) == 2  # a prompt still being read: one whole spare block
+
+
+def _apply(space: torch.Tensor, moves) -> None:
+    """Token moves on a page space of token labels [pages * BS]: every source read before any write."""
+    space[moves.dst] = space[moves.src].clone()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pool_for_every_layer_packs_into_the_fewest_blocks_and_keeps_every_token(seed):
+    """Layer-varying budgets (a pyramid): each layer relocates in its own part of the blocks, ``pack``
+    then moves pages into the other layers' free ones, and the request keeps ceil(pages / (L*H))
+    blocks and its spares; every kept token is where the page table says, before and after decode."""
+    gen = torch.Generator().manual_seed(seed)
+    layers, num_blocks, total_blocks = 3, 6, 16
+    base = [layer * total_blocks * H for layer in range(layers)]
+    blocks, appended = torch.randperm(total_blocks, generator=gen).split([num_blocks, total_blocks - num_blocks])
+    blocks, appended = blocks.tolist(), iter(appended.tolist())  # vLLM's next blocks: any free ones
+    length = num_blocks * BS - int(torch.randint(0, BS, (1,), generator=gen))
+    space = torch.full((layers * total_blocks * H * BS,), -1, dtype=torch.int64)
+    label = lambda layer, head, pos: (layer * 100 + head) * 1000 + pos
+    pages = RequestPages(num_layers=layers, num_heads=H, block_size=BS, blocks=blocks, layer_base=base)
+    for layer in range(layers):
+        for head in range(H):
+            positions = torch.arange(length)
+            space[pages.current_slots(layer, [positions if h == head else positions[:0] for h in range(H)])] = (
+                label(layer, head, positions))
+    kept = {}
+    for layer in range(layers):
+        most = length if layer == 0 else length // (2 * layer)  # the bottom layer keeps far more
+        keep = [torch.sort(torch.randperm(length, generator=gen)[: int(torch.randint(1, most + 1, (1,), generator=gen))]).values
+                for _ in range(H)]
+        _apply(space, pages.relocate(layer, keep))
+        kept.update({(layer, head): label(layer, head, keep[head]) for head in range(H)})
+    _apply(space, pages.pack())
+    held = int(pages._page_counts().sum())
+    keep_blocks = pages.blocks_to_keep(length)
+    assert len(keep_blocks) in (-(-held // (layers * H)), -(-held // (layers * H)) + 1)
+    pages.release_except(keep_blocks)
+    for step in range(3 * BS):
+        if length % BS == 0:
+            pages.add_blocks([next(appended)])
+        slots = pages.append(1)  # [layers, 1, heads]
+        for layer in range(layers):
+            for head in range(H):
+                space[slots[layer, 0, head]] = label(layer, head, 10_000 + length)
+                kept[layer, head] = torch.cat([kept[layer, head], torch.tensor([label(layer, head, 10_000 + length)])])
+        length += 1
+    for (layer, head), labels in kept.items():
+        n = labels.numel()
+        slots = pages.current_slots(layer, [torch.arange(n) if h == head else torch.arange(0) for h in range(H)])
+        assert torch.equal(space[slots], labels)
+
+
+def test_pooled_layers_hand_back_what_the_per_layer_pools_must_hold():
+    """Layer 0 keeps 4 pages a head, layer 1 one: per layer, layer 0 sets 4 blocks; pooled, 5 pages
+    a head fill 3 blocks of 2 layers x 2 heads (and a spare block while the prompt is read)."""
+    counts = [4 * BS, BS]
+    per_layer = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=list(range(6)))
+    pooled = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=list(range(6)), layer_base=[0, 6 * H])
+    for pages in (per_layer, pooled):
+        for layer, n in enumerate(counts):
+            pages.relocate(layer, [torch.arange(n)] * H)
+    pooled.pack()
+    assert len(per_layer.blocks_to_keep(6 * BS)) == 4
+    assert len(pooled.blocks_to_keep(6 * BS)) == 3
+    assert len(pooled.blocks_to_keep(None)) == 4
