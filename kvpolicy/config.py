@@ -50,6 +50,7 @@ class KVPolicyConfig:
     pod_groups: str | None = None
     reserve_growth: bool = True
     tp_allocation: str = "exact"
+    page_pool: str | None = None  # None: the platform's (one pool for every layer on CPU, one per layer on CUDA)
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
@@ -101,6 +102,12 @@ class KVPolicyConfig:
             raise KVPolicyConfigError(f"--kv-combine is blend or union, got {self.combine!r}")
         if self.tp_allocation not in ("exact", "rank"):
             raise KVPolicyConfigError(f"--kv-tp-allocation is exact or rank, got {self.tp_allocation!r}")
+        if self.page_pool not in (None, "model", "layer"):
+            raise KVPolicyConfigError(f"--kv-page-pool is model or layer, got {self.page_pool!r}")
+        if self.page_pool is not None and (not policy.relocates or policy.shares_scores):
+            raise KVPolicyConfigError(
+                f"--kv-page-pool applies to policies that relocate pages per layer, not to --kv-policy {self.policy}"
+            )
         defaults = KVPolicyConfig.__dataclass_fields__
         for name in ("merge", "alpha", "mix", "combine"):
             if getattr(self, name) != defaults[name].default and name not in {f.name for f in fields(policy)}:

@@ -122,6 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("tp_allocation", str, defaults.tp_allocation,
          "with --tensor-parallel-size: exact (Ada-KV's layer-wide allocation over every rank's heads, gathered: "
          "the kept tokens of one GPU) or rank (each rank allocates over its own heads, no collective)"),
+        ("page_pool", str, None,
+         "where a compressed request's layers take pages: model (one pool over every layer of its blocks, so a "
+         "layer that keeps more borrows the others' pages; the CPU default) or layer (each layer within its own "
+         "part of the blocks; the CUDA default and only choice)"),
         ("offload", float, None,
          "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
          "the full-attention layers and the pages loaded for each step"),
@@ -213,6 +217,10 @@ def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
                 f"drop --attention-backend {getattr(chosen, 'name', chosen)} (or set it to TRITON_ATTN)"
             )
         engine_args.attention_backend = AttentionBackendEnum.TRITON_ATTN
+    if config.page_pool == "model":
+        raise KVPolicyConfigError(
+            "--kv-page-pool model needs every layer's KV cache in one buffer (vLLM's CPU layout); drop it on CUDA"
+        )
     if config.offload is not None:
         raise KVPolicyConfigError(
             "--kv-offload is not available on CUDA in this release (its host tier was only run on CPU); drop it"

@@ -1,8 +1,9 @@
 """The per-head path: requests a policy relocated attend as ``H`` one-head virtual sequences.
 
 Each relocated request's KV head has its own pages and length per layer
-(block ``b``, head ``h`` is page ``b*H + h``); every other row of the batch
-takes the platform's stock path. After attention, this layer relocates the
+(block ``b``, head ``h`` is page ``b*H + h`` of the layer's cache, or with one
+pool for every layer, of vLLM's whole KV buffer: ``WorkerState.relocated_cache``);
+every other row of the batch takes the platform's stock path. After attention, this layer relocates the
 prompts that completed (keeping what the policy keeps), runs eviction passes
 and adds new tokens' attention for policies that accumulate it. All tensor
 work on the cache goes through ``KVOps``; policies see host tensors (a no-op
@@ -28,7 +29,7 @@ class PerHeadPath:
 
     def write(self, layer, layer_idx: int, key, value, kv_cache, per_head: PerHeadBatch) -> None:
         """The relocated rows' new K/V into their own pages (the stock rows are written by the platform)."""
-        self.ops.write(layer, kv_cache, key, value, per_head.rows, per_head.slots[layer_idx])
+        self.ops.write(layer, WORKER_STATE.relocated_cache(kv_cache), key, value, per_head.rows, per_head.slots[layer_idx])
 
     def attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
         """Stock rows in vLLM's layout, relocated rows per head, summed prompt chunks with their
@@ -37,19 +38,24 @@ class PerHeadPath:
         per_head = step.per_head
         if per_head is not None:
             batch = per_head.layers[layer_idx]
-            self.ops.attend(layer, query, out, kv_cache, batch, per_head.rows)
+            self.ops.attend(layer, query, out, WORKER_STATE.relocated_cache(kv_cache), batch, per_head.rows)
         for chunk in step.summed:
             sums = self.ops.prompt_attention(layer, query, out, kv_cache, chunk)
             WORKER_STATE.add_column_sums(chunk.req_id, layer_idx, sums)
 
     def after_attention(self, layer, layer_idx: int, query, kv_cache, step: RelocatingStep) -> None:
-        """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes."""
+        """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes;
+        after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
             WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx].cpu())
         if step.per_head is not None and WORKER_STATE.policy.accumulates_attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
             self._relocate(layer, layer_idx, query, kv_cache, step.relocations)
+            if WORKER_STATE.pools_layers and layer_idx == step.relocations[0].pages.num_layers - 1:
+                for relocation in step.relocations:
+                    moves = relocation.pages.pack()
+                    self.ops.move(layer, WORKER_STATE.relocated_cache(kv_cache), moves.src, moves.dst)
 
     def _add_attention(self, layer, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
         """Add each relocated request's new token's attention weights over its cache to its carried scores."""
@@ -57,7 +63,7 @@ class PerHeadPath:
             raise RuntimeError("policies that accumulate attention take one new token per request and step")
         batch = per_head.layers[layer_idx]
         heads = kv_cache.shape[1]
-        weights = self.ops.new_token_weights(layer, query, kv_cache, batch, per_head.rows).cpu()
+        weights = self.ops.new_token_weights(layer, query, WORKER_STATE.relocated_cache(kv_cache), batch, per_head.rows).cpu()
         lengths = batch.seq_lens.long()
         for i, req_id in enumerate(per_head.req_ids):
             carried = WORKER_STATE.carried[req_id]
@@ -115,7 +121,7 @@ class PerHeadPath:
         """The first ``num_tokens`` of each head of one layer of a request: keys, values, [heads, n, head_dim]."""
         heads = kv_cache.shape[1]
         slots = relocation.pages.current_slots(layer_idx, [torch.arange(num_tokens)] * heads)
-        keys, values = self.ops.gather(layer, kv_cache, slots)
+        keys, values = self.ops.gather(layer, WORKER_STATE.relocated_cache(kv_cache), slots)
         return keys.view(heads, num_tokens, -1).cpu(), values.view(heads, num_tokens, -1).cpu()
 
     def _prompt(self, layer, kv_cache, layer_idx: int, relocation: Relocation, queries) -> PromptKV:
@@ -153,10 +159,11 @@ class PerHeadPath:
         result = policy.compress(prompt, budget, observation)
         generated = torch.arange(num_tokens, num_computed)
         moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in result.kept])
-        self.ops.move(layer, kv_cache, moves.src, moves.dst)
+        cache = WORKER_STATE.relocated_cache(kv_cache)
+        self.ops.move(layer, cache, moves.src, moves.dst)
         if result.keys is not None:
             slots = pages.current_slots(layer_idx, [torch.arange(kept.numel()) for kept in result.kept])
-            self.ops.scatter(layer, kv_cache, slots, result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size))
+            self.ops.scatter(layer, cache, slots, result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size))
         if policy.evicts_in_decode:
             carried = WORKER_STATE.carried.setdefault(relocation.req_id, CarriedState.empty(pages.num_layers))
             carried.budgets[layer_idx] = budget

@@ -129,6 +129,16 @@ class WorkerState:
         """Bytes of one vLLM block: its pages in every layer."""
         return sum(cache[0].nbytes for cache in self.runner.kv_caches)
 
+    @property
+    def pools_layers(self) -> bool:
+        """Whether a relocated request's layers share one pool of pages: vLLM's whole KV buffer as one
+        page space, the CPU layout (``--kv-page-pool``)."""
+        return self.config.page_pool != "layer" and self.runner.kv_caches[0].device.type == "cpu"
+
+    def relocated_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache relocated requests' page ids index: the whole buffer when their layers share a pool."""
+        return self.page_space().pages if self.pools_layers else kv_cache
+
     def page_space(self) -> PageSpace:
         if self._page_space is None:
             self._page_space = PageSpace.of(self.runner.kv_caches)

@@ -137,8 +137,9 @@ class StepBuilder:
             if shared and not self._has_room(order, WORKER_STATE.policy_named(extra.get(REQUEST_POLICY_KEY)), budget, chooses):
                 WORKER_STATE.leave_uncompressed(req_id)
                 continue
+            layer_base = WORKER_STATE.page_space().layer_base if WORKER_STATE.pools_layers else None
             pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist(),
-                                 order)
+                                 order, layer_base)
             WORKER_STATE.requests[req_id] = pages
             read = None if reading else seq_len
             relocations.append(_relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, read, window_idx))

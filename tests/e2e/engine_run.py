@@ -161,6 +161,7 @@ def main() -> int:
     parser.add_argument("--no-reserve-growth", action="store_true", help="--kv-reserve-growth false: vLLM's admission")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-parallel-size, one core per rank")
     parser.add_argument("--tp-allocation", default=None, help="--kv-tp-allocation exact|rank")
+    parser.add_argument("--page-pool", default=None, help="--kv-page-pool model|layer")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="every prompt starts with the same this many tokens; the first runs alone, then the rest")
     parser.add_argument("--block-size", type=int, default=None, help="vLLM's --block-size (default: the platform's)")
@@ -210,7 +211,7 @@ def main() -> int:
         kwargs["attention_backend"] = AttentionBackendEnum[args.attention_backend]
     if args.no_reserve_growth:
         kwargs["kv_reserve_growth"] = False
-    for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau"):
+    for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau", "page_pool"):
         if getattr(args, name) is not None:
             kwargs[f"kv_{name}"] = getattr(args, name)
     llm = LLM(

@@ -66,6 +66,20 @@ def test_attention_policies_evict_in_decode_a_page_at_a_time(engine_run, policy)
         assert long_request["token_ids"][: len(short_request["token_ids"])] == short_request["token_ids"]
 
 
+@pytest.mark.parametrize("policy, decode", [("pyramid", ()), ("d2o", ("--max-tokens", "136"))])
+def test_one_page_pool_for_every_layer_moves_pages_not_what_attention_reads(engine_run, policy, decode):
+    """Layer-varying budgets with one page pool over every layer (the CPU default) against a pool per
+    layer: the same tokens and logprobs bit for bit, no more pages held, more blocks handed back, every
+    block free after; ``d2o``'s run also packs after its eviction passes in decode (right after
+    compression, at budget 128 and 128-token blocks, both hold the same pages on these prompts)."""
+    pooled = engine_run("--policy", policy, "--budget", str(BUDGET), *decode)  # the runs of the tests above
+    per_layer = engine_run("--policy", policy, "--budget", str(BUDGET), *decode, "--page-pool", "layer")
+    assert pooled["requests"] == per_layer["requests"]
+    assert pooled["counters"]["held_kv_pages"] <= per_layer["counters"]["held_kv_pages"]
+    assert pooled["counters"]["released_blocks"] > per_layer["counters"]["released_blocks"]
+    assert pooled["kv_cache_usage_end"] == per_layer["kv_cache_usage_end"] == 0.0
+
+
 def test_h2o_prompt_scores_add_up_over_chunks(engine_run):
     """H2O's prompt scores come from kvpolicy's own prompt attention (one QK^T for the output and
     the column sums), chunk by chunk: a 1,100-token prompt read in 256-token chunks gets the sums,

@@ -72,6 +72,12 @@ def test_on_cuda_what_the_policy_cannot_run_beside_is_refused_with_what_to_chang
         args._prepare_engine_args(EngineArgs(model="m", **options), KVPolicyConfig(policy="adasnap", budget=128))
 
 
+def test_on_cuda_pages_stay_in_each_layers_cache(on_cuda):
+    with pytest.raises(KVPolicyConfigError, match="--kv-page-pool model needs every layer's KV cache in one buffer"):
+        args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="pyramid", budget=128, page_pool="model"))
+    args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="pyramid", budget=128, page_pool="layer"))
+
+
 def test_on_cuda_none_keeps_vllms_scheduler(on_cuda):
     engine_args = EngineArgs(model="m")
     args._prepare_engine_args(engine_args, KVPolicyConfig(policy="none"))

@@ -19,6 +19,7 @@ def test_unknown_policy_lists_the_valid_ones():
         ({"budget": 10, "ratio": 0.5}, "not both"),
         ({"pool_kernel": 4}, "positive odd"),
         ({"window": 0}, "--kv-window must be positive"),
+        ({"page_pool": "request"}, "--kv-page-pool is model or layer"),
     ],
 )
 def test_bad_values_are_rejected(options, message):
@@ -33,6 +34,13 @@ def test_offload_is_an_omnikv_host_pool_size():
         KVPolicyConfig(policy="omnikv", budget=256, offload=0.0)
     assert KVPolicyConfig(policy="omnikv", budget=256, offload=2.0).rewrites_blocks
     assert not KVPolicyConfig(policy="omnikv", budget=256).rewrites_blocks
+
+
+def test_page_pool_is_for_policies_that_relocate_pages():
+    for policy in ("omnikv", "pod"):  # omnikv relocates nothing; PoD's layout always spans every layer
+        with pytest.raises(KVPolicyConfigError, match=f"relocate pages per layer, not to --kv-policy {policy}"):
+            KVPolicyConfig(policy=policy, budget=256 if policy == "omnikv" else None, page_pool="layer")
+    assert KVPolicyConfig(policy="pyramid", budget=256, page_pool="layer").page_pool == "layer"
 
 
 def test_budget_larger_than_the_context_is_rejected():
