@@ -219,7 +219,8 @@ def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
         engine_args.attention_backend = AttentionBackendEnum.TRITON_ATTN
     if config.page_pool == "model":
         raise KVPolicyConfigError(
-            "--kv-page-pool model needs every layer's KV cache in one buffer (vLLM's CPU layout); drop it on CUDA"
+            "--kv-page-pool model (one page pool over every layer's cache) was only run on vLLM's CPU platform; "
+            "drop it on CUDA"
         )
     if config.offload is not None:
         raise KVPolicyConfigError(
