@@ -3,7 +3,7 @@
     python benchmarks/throughput.py --quick      # 5 requests, 5 configurations, budget 256, 128 output tokens (9 min 42 s on an AVX-512 Xeon here, 17 min on an AVX2 EPYC)
     python benchmarks/throughput.py              # 16 requests, budgets 128/256/512, 512 and 128 output tokens
     python benchmarks/throughput.py --preset decode-heavy   # 16 requests, 1,024 output tokens: stock against adasnap@256
-    python benchmarks/throughput.py --preset pages --block-size 32   # memory efficiency of six policies at budget 256
+    python benchmarks/throughput.py --preset pages --block-size 32   # memory efficiency of six policies at budget 256, one page pool per model and per layer
 
 Every configuration runs in a fresh engine process (vLLM's offline ``LLM``
 driven step by step) on the same haystack prompts, all submitted at once.
@@ -44,7 +44,9 @@ PRESETS = {
     # The regime compression exists for: long outputs, where running requests grow and admission must plan for it.
     "decode-heavy": {"policies": ["stock", "adasnap"], "budgets": [256], "output_lens": [1024], "requests": 16},
     # Pages held right after compression against the ideal (memory efficiency), per policy; little decode.
-    "pages": {"policies": ["snapkv", "adasnap", "streaming", "pyramid", "adapyramid", "d2o"],
+    # The layer-varying policies also with each layer in its own part of the blocks (the CUDA layout).
+    "pages": {"policies": ["snapkv", "adasnap", "streaming", "pyramid", "adapyramid", "d2o",
+                           "pyramid:page_pool=layer", "adapyramid:page_pool=layer", "d2o:page_pool=layer"],
               "budgets": [256], "output_lens": [32], "requests": 4},
 }
 COLUMNS = [
@@ -154,14 +156,16 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for output_len in sorted({r["output_len"] for r in rows}):
         subset = [r for r in rows if r["output_len"] == output_len]
-        labels = [r["policy"] + (f"@{r['budget']}" if r["budget"] else "") for r in subset]
-        axes[0].bar([f"{l}\n{output_len}" for l in labels], [r["output_tokens_per_s"] for r in subset])
-        axes[1].bar([f"{l}\n{output_len}" for l in labels], [r["peak_running"] for r in subset])
+        labels = [r["policy"] + (f"@{r['budget']}" if r["budget"] else "") + f"\n{output_len}" for r in subset]
+        axes[0].bar(labels, [r["output_tokens_per_s"] for r in subset])
+        axes[1].bar(labels, [r["peak_running"] for r in subset])
+        axes[2].bar(labels, [r["memory_efficiency"] or 0.0 for r in subset])
     axes[0].set_ylabel("output tokens/s")
     axes[1].set_ylabel("peak running requests")
+    axes[2].set_ylabel("memory efficiency")
     for ax in axes:
         ax.tick_params(axis="x", rotation=70, labelsize=7)
     fig.suptitle("kvpolicy throughput, KV pool as the bottleneck (SmolLM2-135M, CPU)")
