@@ -1,11 +1,12 @@
 """The per-head path: requests a policy relocated attend as ``H`` one-head virtual sequences.
 
 Each relocated request's KV head has its own pages and length per layer
-(block ``b``, head ``h`` is page ``b*H + h`` of the layer's cache, or with one
-pool for every layer, of vLLM's whole KV buffer: ``WorkerState.relocated_cache``);
-every other row of the batch takes the platform's stock path. After attention, this layer relocates the
-prompts that completed (keeping what the policy keeps), runs eviction passes
-and adds new tokens' attention for policies that accumulate it. All tensor
+(block ``b``, head ``h`` is page ``b*H + h`` of the layer's cache, or with
+one pool for every layer, of vLLM's whole KV buffer:
+``WorkerState.relocated_cache``); every other row of the batch takes the
+platform's stock path. After attention, this layer relocates the prompts
+that completed (keeping what the policy keeps), runs eviction passes and
+adds new tokens' attention for policies that accumulate it. All tensor
 work on the cache goes through ``KVOps``; policies see host tensors (a no-op
 on CPU; on a GPU, what they score is copied to the host, once per prompt or
 eviction pass, so ``policies/`` stays plain torch). Positions stay logical (vLLM computes them from

@@ -46,7 +46,10 @@ class PageSpace:
         bases = []
         for cache in kv_caches:
             if cache.untyped_storage().data_ptr() != storage.data_ptr() or not cache.is_contiguous():
-                raise RuntimeError("--kv-offload needs every layer's KV cache in one contiguous buffer")
+                raise RuntimeError(
+                    "kvpolicy's page space (--kv-offload, pod, --kv-page-pool model) needs every layer's KV cache "
+                    "in one contiguous buffer; this vLLM build allocates them otherwise: use --kv-page-pool layer"
+                )
             if cache.storage_offset() % page_elems:
                 raise RuntimeError("a layer's KV cache does not start at a page boundary of the shared buffer")
             bases.append(cache.storage_offset() // page_elems)
