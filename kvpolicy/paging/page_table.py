@@ -76,6 +76,7 @@ class RequestPages:
             [[] for _ in range(num_heads)] for _ in range(num_layers)
         ]
         self.free: list[list[int]] = [[] for _ in range(1 if self.pools_layers else num_layers)]  # by pool
+        self._keys: list[dict[int, int] | None] = [None] * len(self.free)  # ``_write_keys``; None once blocks change
         self.relocated = [False] * num_layers
         self._table: np.ndarray | None = None  # head_pages as an array; None once pages change
         self.order: list[int] = list(range(len(blocks)) if order is None else order)
@@ -103,14 +104,23 @@ class RequestPages:
             if writable:
                 for pool, free in enumerate(self.free):
                     free.extend(self._pages_of(int(block), pool))
+        self._keys = [None] * len(self.free)
 
     def _live_order(self) -> list[int]:
         """Block-table positions relocation may write and not yet released, in the order it fills them."""
         return [pos for pos in self.order if self.blocks[pos] is not None]
 
-    def _rank(self, pool: int) -> dict[int, int]:
-        """Each writable page of ``pool``: its block's place in the write order."""
-        return {p: i for i, pos in enumerate(self._live_order()) for p in self._pages_of(self.blocks[pos], pool)}
+    def _per_block(self, pool: int) -> int:
+        return len(self._pool_layers(pool)) * self.num_heads
+
+    def _write_keys(self, pool: int) -> dict[int, int]:
+        """Each writable page of ``pool``: its place in the write order (its block's, then its own within the
+        block), made once until the request's blocks change: every layer's relocation sorts by it."""
+        if self._keys[pool] is None:
+            per_block = self._per_block(pool)
+            self._keys[pool] = {p: i * per_block + j for i, pos in enumerate(self._live_order())
+                                for j, p in enumerate(self._pages_of(self.blocks[pos], pool))}
+        return self._keys[pool]
 
     def _held(self, layer: int) -> list[int]:
         """Pages a layer's tokens occupy: before its first relocation its part of every block."""
@@ -145,9 +155,9 @@ class RequestPages:
         write order; the moves read every source before writing.
         """
         src = self.current_slots(layer, keep)
-        rank = self._rank(self._pool(layer))
-        candidates = set(self._held(layer)).union(self.free[self._pool(layer)]).intersection(rank)
-        pool = sorted(candidates, key=lambda p: (rank[p], p))
+        keys = self._write_keys(self._pool(layer))
+        candidates = set(self._held(layer)).union(self.free[self._pool(layer)]).intersection(keys)
+        pool = sorted(candidates, key=keys.__getitem__)
         counts = [int(kept.numel()) for kept in keep]
         needed = [math.ceil(n / self.block_size) for n in counts]
         if sum(needed) > len(pool):
@@ -192,21 +202,22 @@ class RequestPages:
         """
         if not (self.pools_layers and all(self.relocated)):
             raise RuntimeError("pack needs pages pooled across layers (layer_base), every layer relocated")
-        rank = self._rank(0)
+        keys = self._write_keys(0)
         held = [(layer, head, i, page) for layer in range(self.num_layers) for head in range(self.num_heads)
                 for i, page in enumerate(self.head_pages[layer][head])]
-        first = math.ceil(len(held) / (self.num_layers * self.num_heads))
-        holes = iter(p for p in self.free[0] if rank[p] < first)
+        per_block = self._per_block(0)
+        end = math.ceil(len(held) / per_block) * per_block  # the keys of the pages of the fewest blocks
+        holes = iter(p for p in self.free[0] if keys[p] < end)
         src, dst = [], []
         for layer, head, i, page in held:
-            if rank[page] >= first:
+            if keys[page] >= end:
                 hole = next(holes)
                 self.head_pages[layer][head][i] = hole
                 src.append(page)
                 dst.append(hole)
         if dst:
             filled = set(dst)
-            self.free[0] = sorted([p for p in self.free[0] if p not in filled] + src, key=lambda p: (rank[p], p))
+            self.free[0] = sorted([p for p in self.free[0] if p not in filled] + src, key=keys.__getitem__)
             self._table = None
         offsets = torch.arange(self.block_size, dtype=torch.int64)
         as_slots = lambda pages: (torch.tensor(pages, dtype=torch.int64)[:, None] * self.block_size + offsets).view(-1)
@@ -233,12 +244,12 @@ class RequestPages:
             pages = counts.sum(axis=1) + (-self.lengths % self.block_size < before_next_block).sum(axis=1)
         if self.pools_layers:
             pages = pages.sum(keepdims=True)
-        per_block = len(self._pool_layers(0)) * self.num_heads
-        return set(self._live_order()[: math.ceil(int(pages.max()) / per_block)])
+        return set(self._live_order()[: math.ceil(int(pages.max()) / self._per_block(0))])
 
     def release_except(self, keep: set[int]) -> int:
         """Stop using every block-table position not in ``keep``; returns how many were live."""
         dropped = drop_blocks(self.blocks, keep)
+        self._keys = [None] * len(self.free)
         for pool, free in enumerate(self.free):
             gone = {p for block in dropped for p in self._pages_of(block, pool)}
             for layer in self._pool_layers(pool):
