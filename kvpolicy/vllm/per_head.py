@@ -56,7 +56,8 @@ class PerHeadPath:
             if WORKER_STATE.pools_layers and layer_idx == step.relocations[0].pages.num_layers - 1:
                 for relocation in step.relocations:
                     moves = relocation.pages.pack()
-                    self.ops.move(layer, WORKER_STATE.relocated_cache(kv_cache), moves.src, moves.dst)
+                    if moves.src.numel():
+                        self.ops.move(layer, WORKER_STATE.relocated_cache(kv_cache), moves.src, moves.dst)
 
     def _add_attention(self, layer, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
         """Add each relocated request's new token's attention weights over its cache to its carried scores."""
