@@ -28,11 +28,18 @@ from kvpolicy.paging.block_pages import drop_blocks
 
 
 def stock_slots(blocks: torch.Tensor, num_heads: int, block_size: int, positions: torch.Tensor,
-                heads: torch.Tensor) -> torch.Tensor:
+                heads: torch.Tensor, first_page: int = 0) -> torch.Tensor:
     """[heads, positions] one-head slots of a request's tokens in vLLM's stock layout: token i of
-    head h in page ``blocks[i // block_size] * num_heads + h``."""
+    head h in page ``first_page + blocks[i // block_size] * num_heads + h`` (``first_page``: the
+    layer's first page when pages index vLLM's whole KV buffer)."""
     pages = blocks[torch.div(positions, block_size, rounding_mode="floor")].long()[None, :] * num_heads
-    return (pages + heads[:, None]) * block_size + positions % block_size
+    return (first_page + pages + heads[:, None]) * block_size + positions % block_size
+
+
+def page_slots(pages: Sequence[int], count: int, block_size: int) -> torch.Tensor:
+    """One-head slots of the first ``count`` tokens written densely over ``pages``."""
+    positions = torch.arange(count)
+    return torch.tensor(pages, dtype=torch.int64)[positions // block_size] * block_size + positions % block_size
 
 
 def write_order(num_blocks: int, shared: Sequence[int] = (), cached: Sequence[int] = ()) -> list[int]:
@@ -130,8 +137,8 @@ class RequestPages:
 
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        slots = stock_slots(blocks, self.num_heads, self.block_size, positions, torch.tensor([head])).view(-1)
-        return slots + self.layer_base[layer] * self.block_size
+        heads = torch.tensor([head])
+        return stock_slots(blocks, self.num_heads, self.block_size, positions, heads, self.layer_base[layer])[0]
 
     def _head_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         pages = torch.tensor(self.head_pages[layer][head], dtype=torch.int64)
@@ -219,9 +226,8 @@ class RequestPages:
             filled = set(dst)
             self.free[0] = sorted([p for p in self.free[0] if p not in filled] + src, key=keys.__getitem__)
             self._table = None
-        offsets = torch.arange(self.block_size, dtype=torch.int64)
-        as_slots = lambda pages: (torch.tensor(pages, dtype=torch.int64)[:, None] * self.block_size + offsets).view(-1)
-        return TokenMoves(as_slots(src), as_slots(dst))
+        whole = len(src) * self.block_size
+        return TokenMoves(page_slots(src, whole, self.block_size), page_slots(dst, whole, self.block_size))
 
     def blocks_to_keep(self, length: int | None = None) -> set[int]:
         """Block-table positions to hold after relocation: the fullest pool's pages and its spare ones.

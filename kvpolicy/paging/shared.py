@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvpolicy.paging.block_pages import BlockPages
-from kvpolicy.paging.page_table import TokenMoves, stock_slots
+from kvpolicy.paging.page_table import TokenMoves, page_slots, stock_slots
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,8 @@ class SharedPages(BlockPages):
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         """Global slots of ``positions`` of one (layer, head) in vLLM's stock layout."""
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        slots = stock_slots(blocks, self.num_heads, self.block_size, positions, torch.tensor([head]))[0]
-        return slots + self.layer_base[layer] * self.block_size
-
-    @staticmethod
-    def _slots(pages: list[int], count: int, block_size: int) -> torch.Tensor:
-        positions = torch.arange(count)
-        return torch.tensor(pages, dtype=torch.int64)[positions // block_size] * block_size + positions % block_size
+        heads = torch.tensor([head])
+        return stock_slots(blocks, self.num_heads, self.block_size, positions, heads, self.layer_base[layer])[0]
 
     @property
     def num_distant(self) -> int:
@@ -105,13 +100,13 @@ class SharedPages(BlockPages):
                 self.main[layer][h] = [pool.pop() for _ in range(-(-count // bs))]
                 positions = torch.arange(length) if self.keeps_keys[layer, h] else proximal
                 src.append(self._stock_slots(layer, h, positions))
-                dst.append(self._slots(self.main[layer][h], count, bs))
+                dst.append(page_slots(self.main[layer][h], count, bs))
                 if not self.keeps_keys[layer, h] and pairs:
                     self.values[layer][h] = [pool.pop() for _ in range(int(value_pages[layer, h]))]
                     slots = self._stock_slots(layer, h, distant_positions)
                     even.append(slots[0::2])
                     odd.append(torch.cat([slots[1::2], slots[-1:]])[:pairs])
-                    pair_dst.append(self._slots(self.values[layer][h], pairs, bs))
+                    pair_dst.append(page_slots(self.values[layer][h], pairs, bs))
         self.free = pool
         self.lengths[:] = counts
         empty = torch.zeros(0, dtype=torch.int64)
@@ -134,11 +129,11 @@ class SharedPages(BlockPages):
 
     def main_slots(self, layer: int) -> list[torch.Tensor]:
         """Per head, the slots of its main sequence in position order."""
-        return [self._slots(pages, int(n), self.block_size) for pages, n in zip(self.main[layer], self.lengths[layer])]
+        return [page_slots(pages, int(n), self.block_size) for pages, n in zip(self.main[layer], self.lengths[layer])]
 
     def value_slots(self, layer: int, head: int) -> torch.Tensor:
         """The slots holding a sharing (layer, head)'s distant values, two per slot."""
-        return self._slots(self.values[layer][head], math.ceil(self.num_distant / 2), self.block_size)
+        return page_slots(self.values[layer][head], math.ceil(self.num_distant / 2), self.block_size)
 
     def blocks_to_keep(self, length: int | None = None) -> set[int]:
         """The blocks the layout packed into, plus one spare for decode growth (``blocks_needed``)."""
