@@ -103,14 +103,14 @@ class RequestPages:
         return [p for layer in self._pool_layers(pool) for p in self._layer_pages(layer, block)]
 
     def add_blocks(self, blocks: Sequence[int], writable: bool = True) -> None:
-        """Blocks vLLM appended to the request: new, so writable, and their pages free in every pool."""
+        """Blocks vLLM appended to the request: new, so writable and their pages free in every pool (the
+        prompt's blocks, added at construction, are not: they hold its tokens and ``order`` says which to write)."""
         for block in blocks:
             if writable:
                 self.order.append(len(self.blocks))
-            self.blocks.append(int(block))
-            if writable:
                 for pool, free in enumerate(self.free):
                     free.extend(self._pages_of(int(block), pool))
+            self.blocks.append(int(block))
         self._keys = [None] * len(self.free)
 
     def _live_order(self) -> list[int]:
