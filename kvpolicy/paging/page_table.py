@@ -188,15 +188,19 @@ class RequestPages:
         page boundary take a free page.
         """
         positions = self.lengths[:, :, None] + np.arange(count)  # [layers, heads, count]
+        table = self._page_table()
         missing = -(-(self.lengths + count) // self.block_size) - self._page_counts()
         for layer, head in np.argwhere(missing > 0):
             free = self.free[self._pool(layer)]
             if missing[layer, head] > len(free):
                 raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
-            self.head_pages[layer][head].extend(free[: missing[layer, head]])
+            pages = self.head_pages[layer][head]
+            taken = free[: missing[layer, head]]
             del free[: missing[layer, head]]
-            self._table = None
-        page_ids = np.take_along_axis(self._page_table(), positions // self.block_size, axis=2)
+            table = self._grown_table(len(pages) + len(taken))
+            table[layer, head, len(pages) : len(pages) + len(taken)] = taken
+            pages.extend(taken)
+        page_ids = np.take_along_axis(table, positions // self.block_size, axis=2)
         self.lengths += count
         return (page_ids * self.block_size + positions % self.block_size).transpose(0, 2, 1)
 
@@ -281,6 +285,16 @@ class RequestPages:
                     table[layer, head, : len(pages)] = pages
             self._table = table
         return self._table
+
+    def _grown_table(self, width: int) -> np.ndarray:
+        """The page-table array, at least ``width`` pages wide (doubling, so decode rarely copies it):
+        ``append`` writes the pages it takes into it rather than rebuilding it from ``head_pages``."""
+        table = self._page_table()
+        if width > table.shape[2]:
+            grown = np.full((*table.shape[:2], max(width, 2 * table.shape[2])), -1, dtype=np.int64)
+            grown[:, :, : table.shape[2]] = table
+            self._table = table = grown
+        return table
 
     def page_table(self, width: int) -> np.ndarray:
         """[layers, heads, width] page ids of every layer, zero-padded: the per-head calls' block tables."""
