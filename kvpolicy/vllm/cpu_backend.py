@@ -50,7 +50,7 @@ class KVPolicyCPUBackend(_cpu_attn.CPUAttentionBackend):
 class KVPolicyCPUMetadataBuilder(_cpu_attn.CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        ops = make_ops(builder=self)
+        self.ops = ops = make_ops(builder=self)
         self.steps = StepBuilder(
             num_layers=vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
             num_heads=self.num_heads,
@@ -66,7 +66,10 @@ class KVPolicyCPUMetadataBuilder(_cpu_attn.CPUAttentionMetadataBuilder):
         if self.is_cross_attention or self.is_encoder_only_attention:
             return metadata
         step = self.steps.build(common_attn_metadata)
-        return metadata if step is None else KVPolicyCPUMetadata(**vars(metadata), step=step)
+        if step is None:
+            return metadata
+        self.ops.stage(step)
+        return KVPolicyCPUMetadata(**vars(metadata), step=step)
 
 
 class KVPolicyCPUImpl(KVPolicyAttention, _cpu_attn.CPUAttentionBackendImpl):

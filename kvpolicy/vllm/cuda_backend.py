@@ -60,19 +60,23 @@ class KVPolicyTritonMetadataBuilder(_triton_attn.TritonAttentionMetadataBuilder)
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         model_config = vllm_config.model_config
+        self.ops = TritonOps()
         self.steps = StepBuilder(
             num_layers=model_config.get_num_layers(vllm_config.parallel_config),
             num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
             num_kv_heads=kv_cache_spec.num_kv_heads,
             block_size=kv_cache_spec.block_size,
             max_model_len=model_config.max_model_len,
-            plan=TritonOps().plan,
+            plan=self.ops.plan,
         )
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         step = self.steps.build(common_attn_metadata)
-        return metadata if step is None else KVPolicyTritonMetadata(**vars(metadata), step=step)
+        if step is None:
+            return metadata
+        self.ops.stage(step)
+        return KVPolicyTritonMetadata(**vars(metadata), step=step)
 
 
 class KVPolicyTritonImpl(KVPolicyAttention, _triton_attn.TritonAttentionImpl):

@@ -9,6 +9,7 @@ which the ops that will run the call prepared for it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -221,3 +222,19 @@ class SharingStep:
 
 
 Step = RelocatingStep | SelectingStep | SharingStep
+
+
+def step_tensors(step: Step):
+    """Every tensor a step's records hold, their plans' included: what the ops may ask for on the device
+    (``KVOps.stage``). Policies and page tables are not records of the step and are not searched."""
+    pending = [step]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, Policy):
+            pending.extend(getattr(item, f.name) for f in dataclasses.fields(item))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, SummedChunk
+from kvpolicy.vllm.step import AttentionBatch, HeadRows, Step, SummedChunk
 
 
 class KVOps(ABC):
@@ -28,6 +28,10 @@ class KVOps(ABC):
     @abstractmethod
     def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, kv_heads: int, queries_per_kv: int) -> Any:
         """Prepare one attention call (``step.Planner``); the result travels in ``AttentionBatch.plan``."""
+
+    def stage(self, step: Step) -> None:
+        """Called once per step, after the builder made it: the ops may send its index tensors to where the
+        cache is now, in one copy, rather than layer by layer (``ops/staging.py``)."""
 
     @abstractmethod
     def write(self, layer, cache, key, value, rows: HeadRows, slots) -> None:

@@ -25,7 +25,8 @@ from kvpolicy_triton import (
     write_slots,
 )
 from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.step import AttentionBatch, HeadRows
+from kvpolicy.vllm.ops.staging import StagedStep, copy_to
+from kvpolicy.vllm.step import AttentionBatch, HeadRows, step_tensors
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,20 @@ def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
 
 
 def _on(device: torch.device, *tensors):
-    """The step's index tensors are built on the host; kernels read them where the cache is."""
-    return [t.to(device, non_blocking=True) for t in tensors]
+    """The step's index tensors are built on the host; kernels read them where the cache is: from the
+    step's one staged copy (``TritonOps.stage``), or copied here when made after it."""
+    staged = TritonOps.staged
+    if staged is not None and staged.device == device:
+        return staged.to_device(tensors)
+    return copy_to(device, list(tensors))
 
 
 class TritonOps(KVOps):
     """``impl``: the attention impl whose scale and head counts the kernels use."""
+
+    #: The current step's index tensors on the device, shared by the metadata builder's ops (which stage
+    #: them) and every layer's ops (which read them) in this worker process.
+    staged: StagedStep | None = None
 
     def __init__(self, impl=None):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -110,6 +119,10 @@ class TritonOps(KVOps):
             ]
             if unsupported:
                 raise NotImplementedError(f"kvpolicy's Triton attention does not implement {', '.join(unsupported)}")
+
+    def stage(self, step):
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        TritonOps.staged = StagedStep(step_tensors(step), device)
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         return plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)

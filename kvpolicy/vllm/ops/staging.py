@@ -1,0 +1,93 @@
+"""A step's index tensors on the device in one host-to-device copy.
+
+The step builder makes its index tensors on the host: page tables, lengths,
+slots, virtual-token maps. Sent one by one, as each layer's call asks for
+them, a step of a 32-layer model makes hundreds of small copies, and a GPU
+step waits behind each. ``StagedStep`` packs the bytes of every tensor of a
+step into one (pinned) host buffer, copies it once, and answers each later
+request for one of those tensors on the device with a view of that copy.
+Tensors made after the step was built (a relocation's moves) are copied on
+their own.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+#: Byte alignment of each storage's bytes in the staged buffer: a multiple of every element size.
+ALIGN = 16
+
+
+def copy_to(device: torch.device, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every host-to-device copy of the ops goes through here (one call: one copy per tensor)."""
+    return [t.to(device, non_blocking=True) for t in tensors]
+
+
+def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor views: [first, end)."""
+    size = tensor.element_size()
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride()))
+    first = tensor.storage_offset() * size
+    return first, first + (last + 1) * size
+
+
+class StagedStep:
+    """The host tensors of one step, copied to ``device`` together.
+
+    Each host storage the step's tensors view is sent once, only the bytes they
+    view; ``on`` then maps any view of a staged storage (a layer's slice of the
+    step's page tables, say) to the same view of the copy, without copying again.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor], device: torch.device):
+        self.device = torch.device(device)
+        extents: dict[int, tuple[torch.Tensor, int, int]] = {}  # storage address -> (a tensor on it, first, end)
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or not tensor.numel() or any(s < 0 for s in tensor.stride()):
+                continue
+            first, end = _byte_extent(tensor)
+            address = tensor.untyped_storage().data_ptr()
+            if address in extents:
+                _, seen_first, seen_end = extents[address]
+                first, end = min(first, seen_first), max(end, seen_end)
+            extents[address] = (tensor, first - first % ALIGN, end)
+        #: storage address -> (first host byte staged, its offset in the device buffer); the host
+        #: tensors stay referenced so their storages (and so the addresses) live as long as the step.
+        self.regions: dict[int, tuple[int, int]] = {}
+        self._sources = [tensor for tensor, _, _ in extents.values()]
+        total = 0
+        for address, (_, first, end) in extents.items():
+            self.regions[address] = (first, total)
+            total += -(-(end - first) // ALIGN) * ALIGN
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        for address, (tensor, first, end) in extents.items():
+            offset = self.regions[address][1]
+            storage = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+            host[offset : offset + end - first].copy_(storage[first:end])
+        self.buffer = copy_to(self.device, [host])[0] if total else host.to(self.device)
+
+    def on(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor``'s view of the staged copy; None when its storage was not staged with the step."""
+        region = self.regions.get(tensor.untyped_storage().data_ptr())
+        if region is None or not tensor.numel():
+            return None
+        first, offset = region
+        start, _ = _byte_extent(tensor)
+        if start < first:
+            return None
+        staged_offset = (offset + start - first) // tensor.element_size()
+        view = torch.empty(0, dtype=tensor.dtype, device=self.device)
+        return view.set_(self.buffer.untyped_storage(), staged_offset, tensor.shape, tensor.stride())
+
+    def to_device(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` on the device: staged ones as views of the copy (on a CPU device too, so the interpreted
+        tests read what a GPU reads), the rest copied, or as they are when they are there already."""
+        out = []
+        for tensor in tensors:
+            staged = self.on(tensor) if tensor.device.type == "cpu" else None
+            if staged is None:
+                staged = tensor if tensor.device == self.device else copy_to(self.device, [tensor])[0]
+            out.append(staged)
+        return out

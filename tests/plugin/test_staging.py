@@ -1,0 +1,82 @@
+"""A step's index tensors reach the device in one copy, and every view the ops ask for reads that copy.
+
+On this CPU machine the "device" is the CPU, so the staged buffer is a real
+second copy: a view of it must equal the host tensor, and must not share its
+memory.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kvpolicy.vllm.ops import staging
+from kvpolicy.vllm.ops.staging import StagedStep
+from kvpolicy.vllm.ops.triton import TritonOps, plan_virtual_sequences
+from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, step_tensors
+
+
+def per_head_step(layers: int = 4, rows: int = 3, heads: int = 2, width: int = 5) -> RelocatingStep:
+    """A decode step's records as the builder makes them: per-layer slices of one lengths array and one table."""
+    rng = np.random.default_rng(0)
+    lengths = torch.from_numpy(rng.integers(1, width * 16, size=(layers, rows * heads)).astype(np.int32))
+    tables = torch.from_numpy(rng.integers(0, 1000, size=(layers, rows * heads, width)).astype(np.int32))
+    token_idx = torch.arange(rows)
+    qsl = torch.arange(rows * heads + 1, dtype=torch.int32)
+    calls = [AttentionBatch(token_idx, qsl, lengths[layer], tables[layer], 1, plan_virtual_sequences(qsl, lengths[layer], tables[layer], 1, 4))
+             for layer in range(layers)]
+    head_rows = HeadRows(token_idx.repeat_interleave(heads), torch.arange(heads).repeat(rows), True)
+    slots = torch.from_numpy(rng.integers(0, 10**6, size=(layers, rows * heads)))
+    stock_table = torch.tensor([[7, 8, 9]], dtype=torch.int32)
+    stock = AttentionBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                           stock_table[:0], 2, plan_virtual_sequences(torch.zeros(1, dtype=torch.int32), torch.zeros(0), stock_table[:0], 2, 4))
+    return RelocatingStep(stock=stock, per_head=PerHeadBatch(token_idx, head_rows, calls, slots, ["a", "b", "c"]))
+
+
+def test_every_view_of_a_staged_storage_reads_the_one_copy():
+    step = per_head_step()
+    copies = []
+    real = staging.copy_to
+    staging.copy_to = lambda device, tensors: copies.append(len(tensors)) or real(device, tensors)
+    try:
+        staged = StagedStep(step_tensors(step), torch.device("cpu"))
+        per_head = step.per_head
+        asked = [per_head.slots[2], per_head.layers[3].block_table, per_head.layers[1].seq_lens, per_head.rows.head_of,
+                 per_head.token_idx, per_head.layers[0].block_table[:, 1:3]]
+        on_device = staged.to_device(asked)
+    finally:
+        staging.copy_to = real
+    assert copies == [1], "one copy for the whole step, none per view"
+    for host, device in zip(asked, on_device):
+        assert torch.equal(host, device)
+        assert device.untyped_storage().data_ptr() == staged.buffer.untyped_storage().data_ptr()
+
+
+def test_a_tensor_made_after_the_step_is_copied_on_its_own():
+    staged = StagedStep(step_tensors(per_head_step()), torch.device("cpu"))
+    later = torch.arange(5)
+    assert staged.on(later) is None
+    assert staged.to_device([later])[0] is later  # already where the "device" is
+
+
+def test_only_the_bytes_a_step_views_are_sent():
+    """vLLM's block table is one large persistent tensor; a step's rows of it are a small view."""
+    persistent = torch.zeros(1024, 512, dtype=torch.int32)
+    rows = persistent[:2, :8]
+    staged = StagedStep([rows], torch.device("cpu"))
+    assert staged.buffer.numel() < 512 * 4 * 2 + staging.ALIGN
+    assert torch.equal(staged.to_device([rows])[0], rows)
+
+
+@pytest.mark.parametrize("staged_step", [True, False])
+def test_the_triton_ops_read_the_staged_copy_when_there_is_one(staged_step):
+    step = per_head_step()
+    TritonOps.staged = StagedStep(step_tensors(step), torch.device("cpu")) if staged_step else None
+    try:
+        from kvpolicy.vllm.ops.triton import _on
+
+        (slots,) = _on(torch.device("cpu"), step.per_head.slots[0])
+    finally:
+        TritonOps.staged = None
+    assert torch.equal(slots, step.per_head.slots[0])
+    shares = slots.untyped_storage().data_ptr() == step.per_head.slots.untyped_storage().data_ptr()
+    assert shares != staged_step
