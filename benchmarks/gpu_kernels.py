@@ -4,7 +4,11 @@
     python benchmarks/gpu_kernels.py --quick    # fewer timing repeats
 
 Needs a CUDA GPU (vLLM is not needed: the kernels and their baselines are
-plain torch and Triton). Shapes are one attention layer of Llama-3.1-8B
+plain torch and Triton; with vLLM's CUDA wheel on a Hopper GPU the prompt
+rows also time FlashAttention 3's paged varlen call over the same one-head
+pages, ``fa3_ms``, and check its output against the kernels' loop reference,
+``fa3_ok``; elsewhere those columns stay empty and the run says why).
+Shapes are one attention layer of Llama-3.1-8B
 (32 query heads over 8 KV heads, head size 128, bfloat16) on vLLM's GPU page
 layout ``[blocks, kv_heads, 16, 2 * 128]``, pages of one KV head handed out in
 shuffled order as the engine's page tables do. ``torch_ms`` is the baseline a
@@ -12,7 +16,9 @@ GPU user would otherwise run: torch's fused SDPA (FlashAttention) over dense
 contiguous K/V of the same lengths for attention, the same math in dense
 torch for the scores, advanced indexing for the copies. ``GB/s`` counts the
 cache bytes a kernel must read or write once; ``% peak`` is against the
-H100's 3.35 TB/s HBM3.
+H100's 3.35 TB/s HBM3. The prompt row runs twice: on a cache allocated
+head-major (HND) and on one whose block interleaves its heads token by token
+(NHD, vLLM 0.32's default physical order for this logical shape).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +43,12 @@ Q_HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 GROUP, SCALE = Q_HEADS // KV_HEADS, 1 / math.sqrt(HEAD_SIZE)
 PEAK_GBPS = 3350
 ELEMENT = torch.tensor([], dtype=DTYPE).element_size()
-COLUMNS = ["kernel", "shape", "triton_ms", "torch_ms", "torch_baseline", "speedup", "GB/s", "% peak"]
+COLUMNS = ["kernel", "shape", "triton_ms", "torch_ms", "torch_baseline", "speedup", "GB/s", "% peak",
+           "fa3_ms", "fa3_kernel_ms", "fa3_ok"]
 #: Milliseconds of timed calls per case (triton.testing.do_bench's ``rep``).
 BENCH_MS = {"quick": 25, "full": 200}
+#: Query tokens per KV head at each end of a prompt whose FlashAttention output is checked against the loop reference.
+CHECKED_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -49,18 +58,47 @@ class Case:
     kernel: str
     shape: str
     baseline: str
-    setup: Callable[[], tuple[Callable, Callable, int]]
+    setup: Callable[[], "Calls | tuple[Callable, Callable, int]"]
 
 
-def paged(lengths: list[int], seed: int = 0):
+@dataclass(frozen=True)
+class FlashRun:
+    """FlashAttention 3's paged varlen forward on a case's pages: ``attend`` gathers the queries into
+    one-head order, runs the kernel and scatters the output back (what the engine would run);
+    ``kernel`` is the kernel alone; ``check()`` returns its largest error against the loop reference
+    and whether that is within the Triton kernel's test tolerance."""
+
+    attend: Callable
+    kernel: Callable
+    check: Callable[[], tuple[float, bool]]
+
+
+class Calls(NamedTuple):
+    """What a case's ``setup()`` returns: the Triton call, the torch call, the cache bytes the kernel touches
+    once and, for prompt rows, FlashAttention 3's run or why it cannot run here."""
+
+    triton: Callable
+    torch: Callable
+    cache_bytes: int
+    flash: FlashRun | str | None = None
+
+
+def paged(lengths: list[int], seed: int = 0, physical: str = "HND"):
     """A cache whose virtual sequence s (one KV head of one request) holds ``lengths[s]`` tokens on shuffled pages.
 
+    ``physical``: HND allocates each one-head page contiguous, NHD interleaves a block's heads token by
+    token (the logical shape is [blocks, kv_heads, block_size, 2 * head_size] either way).
     Returns the cache, its geometry, the page table [S, max pages] of one-head page ids and the lengths.
     """
     pages = [-(-n // BLOCK_SIZE) for n in lengths]
     blocks = -(-sum(pages) // KV_HEADS) + 1
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    cache = torch.randn(blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="cuda", generator=generator).to(DTYPE)
+    if physical == "HND":
+        cache = torch.randn(blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, device="cuda", generator=generator)
+    else:
+        cache = torch.randn(blocks, BLOCK_SIZE, KV_HEADS, 2 * HEAD_SIZE, device="cuda", generator=generator)
+        cache = cache.transpose(1, 2)
+    cache = cache.to(DTYPE)
     pool = torch.randperm(blocks * KV_HEADS, device="cuda", generator=generator)
     table = torch.zeros(len(lengths), max(pages), dtype=torch.int64, device="cuda")
     start = 0
@@ -100,11 +138,62 @@ def decode_case(requests: int, length: int, ragged: bool = False) -> Case:
     return Case("paged_attention (decode)", f"{requests} requests, {kept}", f"SDPA, dense, {length} tokens", setup)
 
 
-def prefill_case(length: int) -> Case:
+def flash_run(query, cache, geom, token, head, starts, seq_lens, table) -> FlashRun | str:
+    """FlashAttention 3 (vLLM's ``vllm.vllm_flash_attn``, ``fa_version=3``) over the same one-head pages,
+    its arguments made by kvpolicy's helper from a one-head ``AttentionBatch``; or why it cannot run here."""
+    try:
+        from vllm.vllm_flash_attn import fa_version_unsupported_reason, flash_attn_varlen_func
+
+        from kvpolicy.vllm.ops.flash_varlen import flash_pages, flash_varlen_call
+        from kvpolicy.vllm.ops.triton import VirtualSequences
+        from kvpolicy.vllm.step import AttentionBatch, HeadRows
+    except Exception as error:  # a CPU build, no vLLM, or a vLLM that does not load with this torch
+        return f"vllm.vllm_flash_attn or kvpolicy's vLLM package is not importable: {error}"
+    reason = fa_version_unsupported_reason(3)
+    if reason:
+        return reason
+    from tests.kernels.paging import TOLERANCE
+
+    length = query.shape[0]
+    pages = flash_pages(cache)
+    tokens = torch.arange(length, device=query.device)
+    batch = AttentionBatch(tokens, starts, seq_lens, table, 1, VirtualSequences(length))
+    call = flash_varlen_call(batch, HeadRows(token, head), pages)
+    queries = call.queries(query, KV_HEADS)
+    result, out = torch.empty_like(queries), torch.empty_like(query)
+
+    def kernel(q=queries):
+        flash_attn_varlen_func(q, pages.key, pages.value, call.max_seqlen_q, call.cu_seqlens_q, call.max_seqlen_k,
+                               seqused_k=call.seqused_k, softmax_scale=SCALE, causal=True,
+                               block_table=call.block_table, out=result, fa_version=3)
+
+    def attend():
+        kernel(call.queries(query, KV_HEADS))
+        call.write(out, result, KV_HEADS)
+
+    def check() -> tuple[float, bool]:
+        """The first and last CHECKED_TOKENS queries of every KV head, through the loop reference."""
+        attend()
+        device = query.device
+        ends = torch.cat([torch.arange(CHECKED_TOKENS), torch.arange(length - CHECKED_TOKENS, length)]).to(device)
+        kv = torch.arange(KV_HEADS, device=device)
+        sample_token, sample_head = ends.repeat(KV_HEADS), kv.repeat_interleave(2 * CHECKED_TOKENS)
+        sample_starts = torch.arange(2 * KV_HEADS + 1, device=device) * CHECKED_TOKENS
+        prefix_and_whole = torch.tensor([CHECKED_TOKENS, length], device=device).repeat(KV_HEADS)
+        want = torch.zeros_like(query)
+        kt.paged_attention_reference(query, want, cache, geom, sample_token, sample_head, sample_starts,
+                                     prefix_and_whole, table.repeat_interleave(2, dim=0), SCALE, KV_HEADS)
+        got, expected = [t.unflatten(1, (KV_HEADS, -1))[sample_token, sample_head].float() for t in (out, want)]
+        return float((got - expected).abs().max()), torch.allclose(got, expected, **TOLERANCE[DTYPE])
+
+    return FlashRun(attend, kernel, check)
+
+
+def prefill_case(length: int, physical: str = "HND") -> Case:
     """A whole prompt as one causal chunk: the path a compressing request's prompt takes."""
 
     def setup():
-        cache, geom, table, seq_lens = paged([length] * KV_HEADS)
+        cache, geom, table, seq_lens = paged([length] * KV_HEADS, physical=physical)
         query = torch.randn(length, Q_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
         out = torch.empty_like(query)
         token = torch.arange(length, device="cuda").repeat(KV_HEADS)
@@ -113,13 +202,15 @@ def prefill_case(length: int) -> Case:
         args = (token, head, starts, seq_lens, table)
         k, v = dense_kv(1, length)
         q = query.transpose(0, 1).unsqueeze(0)
-        return (
+        return Calls(
             lambda: kt.paged_attention(query, out, cache, geom, *args, SCALE, KV_HEADS),
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             2 * KV_HEADS * length * HEAD_SIZE * ELEMENT,
+            flash_run(query, cache, geom, *args),
         )
 
-    return Case("paged_attention (prefill)", f"1 prompt of {length} tokens", "SDPA causal, dense", setup)
+    shape = f"1 prompt of {length} tokens" + ("" if physical == "HND" else f", {physical} cache")
+    return Case("paged_attention (prefill)", shape, "SDPA causal, dense", setup)
 
 
 def dense_weights(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -243,6 +334,7 @@ CASES = [
     decode_case(64, 4096),
     decode_case(16, 1024, ragged=True),
     prefill_case(4096),
+    prefill_case(4096, physical="NHD"),
     new_token_weights_case(16, 1024),
     context_scores_case(16, 32768),
     window_scores_case(32768),
@@ -254,6 +346,8 @@ CASES = [
 
 def plot(rows: list[dict], path: Path) -> None:
     series = [("kvpolicy Triton kernel", [r["triton_ms"] for r in rows]), ("torch baseline", [r["torch_ms"] for r in rows])]
+    if any(r.get("fa3_ms") for r in rows):
+        series.append(("FlashAttention 3, paged varlen", [r.get("fa3_ms") or math.nan for r in rows]))
     plot_timings(path, [f"{r['kernel']}\n{r['shape']}" for r in rows], series,
                  "ms per call (median, CUDA events), log scale", torch.cuda.get_device_name())
 
@@ -268,18 +362,32 @@ def main() -> int:
     from triton.testing import do_bench
 
     bench_ms = BENCH_MS["quick" if args.quick else "full"]
-    rows = []
+    rows, flash_skipped = [], {}
     for case in tqdm(CASES, desc="kernels"):
-        triton_call, torch_call, cache_bytes = case.setup()
-        triton_ms = do_bench(triton_call, rep=bench_ms, return_mode="median")
-        torch_ms = do_bench(torch_call, rep=bench_ms, return_mode="median")
-        gbps = cache_bytes / triton_ms / 1e6
-        rows.append({"kernel": case.kernel, "shape": case.shape, "triton_ms": triton_ms, "torch_ms": torch_ms,
-                     "torch_baseline": case.baseline, "speedup": torch_ms / triton_ms, "GB/s": gbps,
-                     "% peak": 100 * gbps / PEAK_GBPS})
+        calls = Calls(*case.setup())
+        triton_ms = do_bench(calls.triton, rep=bench_ms, return_mode="median")
+        torch_ms = do_bench(calls.torch, rep=bench_ms, return_mode="median")
+        gbps = calls.cache_bytes / triton_ms / 1e6
+        row = {"kernel": case.kernel, "shape": case.shape, "triton_ms": triton_ms, "torch_ms": torch_ms,
+               "torch_baseline": case.baseline, "speedup": torch_ms / triton_ms, "GB/s": gbps,
+               "% peak": 100 * gbps / PEAK_GBPS}
+        flash = calls.flash
+        if isinstance(flash, FlashRun):
+            try:
+                max_error, ok = flash.check()
+                row.update(fa3_ms=do_bench(flash.attend, rep=bench_ms, return_mode="median"),
+                           fa3_kernel_ms=do_bench(flash.kernel, rep=bench_ms, return_mode="median"),
+                           fa3_ok=ok, fa3_max_error=max_error)
+            except RuntimeError as error:  # FlashAttention's own argument checks refusing the call
+                flash = f"the call failed: {error}"
+        if isinstance(flash, str):
+            flash_skipped[f"{case.kernel}, {case.shape}"] = flash
+            tqdm.write(f"{case.kernel}, {case.shape}: FlashAttention 3 skipped: {flash}")
+        rows.append(row)
         torch.cuda.empty_cache()
     settings = dict(gpu=torch.cuda.get_device_name(), timing_ms_per_case=bench_ms, q_heads=Q_HEADS, kv_heads=KV_HEADS,
-                    head_size=HEAD_SIZE, block_size=BLOCK_SIZE, dtype="bfloat16", peak_gbps=PEAK_GBPS)
+                    head_size=HEAD_SIZE, block_size=BLOCK_SIZE, dtype="bfloat16", peak_gbps=PEAK_GBPS,
+                    fa3_checked_tokens_per_end=CHECKED_TOKENS, fa3_skipped=flash_skipped)
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
 
