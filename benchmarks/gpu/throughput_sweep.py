@@ -1,0 +1,505 @@
+"""kvpolicy against plain vLLM with vLLM's own `vllm bench throughput`, over a tight, a middle and a loose KV pool.
+
+    python benchmarks/gpu/throughput_sweep.py prepare           # here: the tokenizer that travels (.cache/gpu/tokenizer)
+    python benchmarks/gpu/throughput_sweep.py run --out X.json  # on a GPU: Llama-3.1-8B's shape, random weights
+    python benchmarks/gpu/throughput_sweep.py run --tiny        # the CPU rehearsal: a 2-layer Llama, short requests
+    python benchmarks/gpu/throughput_sweep.py report X.json     # the table and plot again from a results JSON
+
+Every row is one `vllm bench throughput` (random dataset, EOS ignored, no
+detokenizing) in its own process, on a model folder holding only a
+``config.json`` of the preset's shape and SmolLM2's tokenizer, weights drawn
+by ``--load-format dummy``. The random dataset draws prompt ids from the
+tokenizer's vocabulary (49,152) and hands vLLM text that the same tokenizer
+encodes again, so prompts stay inside the model's 128,256 embeddings;
+sampled ids may not, hence ``--disable-detokenize``. ``--kv-cache-memory-bytes``
+fixes the pool at a number of whole requests (input + output tokens): tight,
+full-cache vLLM runs few requests at once; loose, all of them fit.
+
+The tokens/s are vLLM's bench's own (its ``Throughput:`` line and
+``--output-json``). The bench runs in-process from this script so that the
+``LLM`` it builds can also be read: ``LLM.from_engine_args`` is wrapped to
+serve a short untimed warm-up (two prompts of the input length, 16 tokens:
+Triton compiles its kernels for these shapes there, not inside the timed
+run), to read ``LLM.get_metrics()`` before and after the timed run
+(preemptions, kvpolicy's released blocks and kept tokens), and to sample
+``vllm:num_requests_running`` every 50 ms while it runs (peak and mean).
+
+Configs, in ``CONFIGS``: plain vLLM with its defaults (on CUDA: FlashAttention
+3, the V2 model runner, the asynchronous scheduler; on CPU: the CPU's own
+defaults, which already are CPU attention, V1 and synchronous); plain vLLM
+the way kvpolicy runs it (Triton attention, V1 runner, synchronous
+scheduler); and ``--kv-policy none``, ``adasnap`` and ``adamix`` at a budget.
+Rows run in ``ORDER`` (plain vLLM against adasnap on the tight and loose
+pools first), each under its own timeout; the JSON, table and plot are
+rewritten after every row, so a sweep cut short keeps what finished, and
+``--resume`` skips the rows a results file already holds.
+
+Compilation (the same for every config, so rows compare like with like):
+vLLM's default, ``-O2``: torch.compile plus CUDA graphs, as users run it
+(FULL_AND_PIECEWISE for plain vLLM; kvpolicy's backend keeps attention out
+of the graphs, piecewise). ``--max-num-seqs 32`` (no pool runs more than 32
+prompts) caps the graph capture at 64 tokens instead of 512, so capture
+takes seconds; the same value for every row keeps vLLM's compile cache
+(keyed by the config, not the pool size) valid across pools. ``--tiny`` runs
+``-O0`` instead: on the 2-core CPU a compile costs 20 s per config and the
+rehearsal checks the pipeline, not speed.
+
+Time on one H100/H200 (estimates, never measured; the numbers behind them
+are in benchmarks/gpu/README.md): engine start about 50 s the first time a
+config runs (imports, 16 GB of random weights, torch.compile, graph
+capture) and about 25 s for the next pool of the same config (compile
+cache); a run 20-40 s (1,024 decode steps per wave of requests at 6-12 ms a
+step, plus 4,096-token prefills). The first four rows take about 4.5 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Appended, not prepended: an installed kvpolicy (the one vLLM's plugin entry point names) wins over the tree.
+sys.path.append(str(ROOT))
+
+from benchmarks.common import RESULTS_DIR, markdown_table, metric_total, provenance, write_json  # noqa: E402
+
+#: Where `prepare` puts what travels to the GPU machine (an ignored folder: carried, not committed).
+CARRY_DIR = ROOT / ".cache" / "gpu"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+#: Model folders (config.json + tokenizer) are made on the machine that runs, not carried.
+MODELS_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "kvpolicy-gpu-models"
+
+#: config.json of each shape; the tokenizer is SmolLM2's, so bos/eos are its ids.
+SHAPES = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "rms_norm_eps": 1e-05, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 49152,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-05, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+#: pools: ``fits`` whole requests (input + output tokens) of KV, ``prompts`` requests in the run.
+PRESETS = {
+    "gpu": {
+        "shape": "llama-3.1-8b", "input_len": 4096, "output_len": 1024, "budget": 1024,
+        "pools": {"tight": {"fits": 4, "prompts": 16}, "middle": {"fits": 12, "prompts": 32},
+                  "loose": {"fits": 34, "prompts": 32}},
+        "block_size": 16, "engine_args": ["--max-num-seqs", "32"], "env": {},
+        "run_timeout_s": 180, "min_run_s": 75,
+    },
+    "tiny": {
+        "shape": "tiny-llama", "input_len": 512, "output_len": 64, "budget": 128,
+        "pools": {"tight": {"fits": 4, "prompts": 12}, "middle": {"fits": 8, "prompts": 16},
+                  "loose": {"fits": 20, "prompts": 16}},
+        "block_size": 128, "engine_args": ["--max-num-seqs", "32", "-O0"],
+        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        "run_timeout_s": 120, "min_run_s": 30,
+    },
+}
+#: ``cuda_args`` are left out on vLLM's CPU platform (it has one attention backend).
+CONFIGS = {
+    "vllm-default": {"label": "plain vLLM, its defaults", "args": [], "cuda_args": [], "env": {}},
+    "vllm-triton-sync": {"label": "plain vLLM as kvpolicy runs it", "args": ["--no-async-scheduling"],
+                         "cuda_args": ["--attention-backend", "TRITON_ATTN"], "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
+    "none": {"label": "--kv-policy none", "args": ["--kv-policy", "none"], "cuda_args": [], "env": {}},
+    "adasnap": {"label": "--kv-policy adasnap", "args": ["--kv-policy", "adasnap", "--kv-budget", "{budget}"],
+                "cuda_args": [], "env": {}},
+    "adamix": {"label": "--kv-policy adamix", "args": ["--kv-policy", "adamix", "--kv-budget", "{budget}"],
+               "cuda_args": [], "env": {}},
+}
+BASELINES = {"x_vllm": "vllm-default", "x_vllm_sync": "vllm-triton-sync"}
+#: Most important first: what a user compares (tight and loose), then what splits the difference.
+ORDER = [
+    ("vllm-default", "tight"), ("adasnap", "tight"), ("vllm-default", "loose"), ("adasnap", "loose"),
+    ("vllm-triton-sync", "tight"), ("vllm-triton-sync", "loose"), ("adamix", "tight"), ("adamix", "loose"),
+    ("none", "tight"), ("none", "loose"),
+    ("vllm-default", "middle"), ("adasnap", "middle"), ("vllm-triton-sync", "middle"), ("adamix", "middle"),
+    ("none", "middle"),
+]
+WARMUP = {"prompts": 2, "output_len": 16}
+SAMPLE_EVERY_S = 0.05
+THROUGHPUT_LINE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
+#: Log lines that say what vLLM actually ran (backend, runner, scheduler, graphs, start-up time).
+FACT_LINE = re.compile(r"Using .*backend|FlashAttention version|Model Runner V2|Async scheduling|Graph capturing finished|"
+                       r"torch.compile took|Directly load the compiled|Model loading took|init engine")
+COLUMNS = ["config", "pool", "pool_mib", "fits", "prompts", "output_tok_s", "total_tok_s", *BASELINES,
+           "peak_running", "mean_running", "preemptions", "released_blocks_per_request", "kept_fraction",
+           "engine_s", "status"]
+
+
+def per_token_bytes(shape: dict) -> int:
+    """KV bytes of one token over every layer: K and V, each KV head's head_dim values."""
+    return (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
+            * DTYPE_BYTES[shape["torch_dtype"]])
+
+
+def pool_bytes(preset: dict, pool: str) -> int:
+    """``fits`` requests of input + output tokens, each in whole blocks of the platform's default size."""
+    block = preset["block_size"]
+    tokens = -(-(preset["input_len"] + preset["output_len"]) // block) * block
+    return preset["pools"][pool]["fits"] * tokens * per_token_bytes(SHAPES[preset["shape"]])
+
+
+def prepare(carry: Path) -> Path:
+    """The default model's tokenizer, xz-compressed (3.5 MB -> 0.45 MB), in the folder that is carried."""
+    from kvpolicy.model import prepare as prepare_default_model
+
+    source = prepare_default_model()
+    target = carry / "tokenizer"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "tokenizer.json.xz").write_bytes(lzma.compress((source / "tokenizer.json").read_bytes()))
+    (target / "tokenizer_config.json").write_bytes((source / "tokenizer_config.json").read_bytes())
+    return target
+
+
+def model_folder(shape_name: str, carry: Path) -> Path:
+    """A model folder of ``shape_name``: its config.json and the carried tokenizer (prepared here if missing)."""
+    tokenizer = carry / "tokenizer"
+    if not (tokenizer / "tokenizer.json.xz").is_file():
+        tokenizer = prepare(carry)
+    folder = MODELS_DIR / shape_name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHAPES[shape_name], indent=1))
+    (folder / "tokenizer.json").write_bytes(lzma.decompress((tokenizer / "tokenizer.json.xz").read_bytes()))
+    (folder / "tokenizer_config.json").write_bytes((tokenizer / "tokenizer_config.json").read_bytes())
+    return folder
+
+
+def bench_args(preset: dict, config: dict, pool: str, model: Path, output_json: Path, on_cuda: bool) -> list[str]:
+    """The `vllm bench throughput` arguments of one row."""
+    budget = str(preset["budget"])
+    args = [
+        "--model", str(model), "--load-format", "dummy", "--dataset-name", "random",
+        "--random-input-len", str(preset["input_len"]), "--random-output-len", str(preset["output_len"]),
+        "--num-prompts", str(preset["pools"][pool]["prompts"]), "--disable-detokenize", "--seed", "0",
+        # A few tokens of slack: the random dataset re-encodes its text and may miss the length by one or two.
+        "--max-model-len", str(preset["input_len"] + preset["output_len"] + 128),
+        "--kv-cache-memory-bytes", str(pool_bytes(preset, pool)),
+        "--output-json", str(output_json), *preset["engine_args"],
+    ]
+    args += [a.format(budget=budget) for a in config["args"]]
+    if on_cuda:
+        args += config["cuda_args"]
+    return args
+
+
+class RunningSampler(threading.Thread):
+    """Samples ``vllm:num_requests_running`` every ``SAMPLE_EVERY_S`` while the timed run goes on."""
+
+    def __init__(self, llm):
+        super().__init__(daemon=True)
+        self.llm, self.samples, self.read_s, self.done = llm, [], 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(SAMPLE_EVERY_S):
+            start = time.perf_counter()
+            self.samples.append(metric_total(self.llm.get_metrics(), "vllm:num_requests_running"))
+            self.read_s += time.perf_counter() - start
+
+
+class Probe:
+    """What vLLM's bench does not report, read from the ``LLM`` it builds (see the module docstring)."""
+
+    COUNTERS = ("vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens",
+                "vllm:kvpolicy_relocated_requests", "vllm:kvpolicy_compressed_requests", "vllm:kvpolicy_released_blocks",
+                "vllm:kvpolicy_prompt_kv_tokens", "vllm:kvpolicy_kept_kv_tokens")
+
+    def __init__(self, input_len: int):
+        self.input_len, self.llm, self.sampler, self.before = input_len, None, None, {}
+        self.warmup_s = 0.0
+
+    def attach(self, llm) -> None:
+        import numpy as np
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm = llm
+        vocab = llm.get_tokenizer().vocab_size
+        rng = np.random.default_rng(1)
+        prompts = [TokensPrompt(prompt_token_ids=rng.integers(100, vocab, self.input_len).tolist())
+                   for _ in range(WARMUP["prompts"])]
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=WARMUP["output_len"], ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+        self.warmup_s = time.perf_counter() - start
+        metrics = llm.get_metrics()
+        self.before = {name: metric_total(metrics, name) for name in self.COUNTERS}
+        self.sampler = RunningSampler(llm)
+        self.sampler.start()
+
+    def result(self) -> dict:
+        import torch
+
+        self.sampler.done.set()
+        self.sampler.join()
+        metrics = self.llm.get_metrics()
+        delta = {name.removeprefix("vllm:"): metric_total(metrics, name) - self.before[name] for name in self.COUNTERS}
+        config = self.llm.llm_engine.vllm_config
+        # Every request is submitted at once, so none runs only before the first step and after the last.
+        samples = [n for n in self.sampler.samples if n] or [0.0]
+        return {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "warmup_s": round(self.warmup_s, 2),
+            "peak_running": int(max(samples)),
+            "mean_running": statistics.fmean(samples),
+            "running_samples": len(self.sampler.samples),
+            "sample_read_ms": 1000 * self.sampler.read_s / max(len(self.sampler.samples), 1),
+            "counters": delta,
+            "pool_empty_after": metric_total(metrics, "vllm:kv_cache_usage_perc") == 0.0,
+            "engine": {
+                "block_size": config.cache_config.block_size,
+                "num_gpu_blocks": config.cache_config.num_gpu_blocks,
+                "async_scheduling": config.scheduler_config.async_scheduling,
+                "max_num_seqs": config.scheduler_config.max_num_seqs,
+                "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                "use_v2_model_runner": config.use_v2_model_runner,
+                "attention_backend": str(config.attention_config.backend),
+                "compilation_mode": str(config.compilation_config.mode),
+                "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+                "enforce_eager": config.model_config.enforce_eager,
+                "prefix_caching": config.cache_config.enable_prefix_caching,
+            },
+        }
+
+
+def bench_one(probe_out: Path, input_len: int, vllm_args: list[str]) -> None:
+    """`vllm bench throughput` in this process through vLLM's own CLI, with the probe on the LLM it builds."""
+    from vllm import LLM
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    probe = Probe(input_len)
+    build = LLM.from_engine_args.__func__
+
+    def built(cls, engine_args):
+        llm = build(cls, engine_args)
+        probe.attach(llm)
+        return llm
+
+    LLM.from_engine_args = classmethod(built)
+    sys.argv = ["vllm", "bench", "throughput", *vllm_args]
+    vllm_main()
+    probe_out.write_text(json.dumps(probe.result(), indent=1))
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """End a row's process group (its engine core and workers too): TERM, then KILL after 15 s."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout_s: float, on_cuda: bool) -> dict:
+    """One row in its own process group, so a timeout ends its engine processes too."""
+    config = CONFIGS[name]
+    tag = f"{name}.{pool}"
+    output_json, probe_json, log = work / f"{tag}.bench.json", work / f"{tag}.probe.json", work / f"{tag}.log"
+    for path in (output_json, probe_json):
+        path.unlink(missing_ok=True)
+    args = bench_args(preset, config, pool, model, output_json, on_cuda)
+    cmd = [sys.executable, __file__, "bench-one", "--probe-out", str(probe_json),
+           "--input-len", str(preset["input_len"]), "--", *args]
+    row = {"config": name, "pool": pool, "pool_mib": round(pool_bytes(preset, pool) / 2**20, 1),
+           "fits": preset["pools"][pool]["fits"], "prompts": preset["pools"][pool]["prompts"],
+           "args": args, "env": {**preset["env"], **config["env"]}}
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **row["env"]},
+                                start_new_session=True)
+        previous = signal.signal(signal.SIGTERM, lambda *_: (stop_group(proc), sys.exit(143)))
+        try:
+            proc.wait(timeout_s)
+            row["status"] = "ok" if proc.returncode == 0 else f"rc={proc.returncode}"
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            row["status"] = f"timeout {timeout_s:.0f}s"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    row["engine_s"] = round(time.perf_counter() - start, 1)
+    text = log.read_text(errors="replace")
+    if match := THROUGHPUT_LINE.search(text):
+        row["requests_s"], row["total_tok_s"], row["output_tok_s"] = map(float, match.groups())
+    if output_json.is_file():
+        row["bench_json"] = json.loads(output_json.read_text())
+    if probe_json.is_file():
+        probe = json.loads(probe_json.read_text())
+        counters = probe["counters"]
+        row |= {key: probe[key] for key in ("peak_running", "mean_running", "device", "warmup_s", "sample_read_ms",
+                                             "pool_empty_after")}
+        row |= {"preemptions": int(counters["num_preemptions"]), "counters": counters, "engine": probe["engine"]}
+        if name not in ("vllm-default", "vllm-triton-sync"):
+            row["released_blocks_per_request"] = counters["kvpolicy_released_blocks"] / row["prompts"]
+            if counters["kvpolicy_prompt_kv_tokens"]:
+                row["kept_fraction"] = counters["kvpolicy_kept_kv_tokens"] / counters["kvpolicy_prompt_kv_tokens"]
+    facts = (line.strip() for line in text.splitlines() if len(line) < 400 and FACT_LINE.search(line))
+    row["log_facts"] = list(dict.fromkeys(facts))[:30]
+    if row["status"] != "ok":
+        row["error_tail"] = text[-3000:]
+    return row
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's output tokens/s over each baseline's on the same pool (when that baseline has run)."""
+    speed = {(r["config"], r["pool"]): r.get("output_tok_s") for r in rows}
+    out = []
+    for row in rows:
+        row = dict(row)
+        for column, baseline in BASELINES.items():
+            base = speed.get((baseline, row["pool"]))
+            row[column] = row["output_tok_s"] / base if base and row.get("output_tok_s") else None
+        out.append(row)
+    return out
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["runs"] if r.get("output_tok_s")]
+    pools = [p for p in payload["settings"]["pools"] if any(r["pool"] == p for r in rows)]
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(len(configs), 1)
+    for k, name in enumerate(configs):
+        by_pool = {r["pool"]: r for r in rows if r["config"] == name}
+        xs = [i + (k - (len(configs) - 1) / 2) * width for i in range(len(pools))]
+        for ax, key in zip(axes, ("output_tok_s", "peak_running")):
+            ax.bar(xs, [by_pool.get(p, {}).get(key) or 0 for p in pools], width, label=name)
+    settings = payload["settings"]
+    for ax, label in zip(axes, ("output tokens/s (vllm bench throughput)", "peak running requests")):
+        ax.set_xticks(range(len(pools)), [f"{p}\n({settings['pools'][p]['fits']} requests fit)" for p in pools])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{settings['shape']}, {settings['input_len']} in / {settings['output_len']} out, "
+                 f"budget {settings['budget']} - {payload.get('device', '?')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(payload: dict, out: Path) -> str:
+    """The markdown table (with the platform note) and the plot beside ``out``; returns the table."""
+    table = markdown_table(with_ratios(payload["runs"]), COLUMNS)
+    note = payload["settings"].get("platform_note")
+    out.with_suffix(".md").write_text((f"{note}\n\n" if note else "") + table + "\n")
+    if any(r.get("output_tok_s") for r in payload["runs"]):
+        plot(payload, out.with_suffix(".png"))
+    return table
+
+
+def run(args) -> None:
+    from tqdm import tqdm
+
+    deadline = time.monotonic() + args.deadline_s
+    preset_name = "tiny" if args.tiny else "gpu"
+    preset = PRESETS[preset_name]
+    on_cuda = _on_cuda()
+    model = model_folder(preset["shape"], args.carry)
+    work = args.work or args.out.with_suffix(".work")
+    work.mkdir(parents=True, exist_ok=True)
+    settings = {**preset, "preset": preset_name, "configs": CONFIGS, "order": ORDER, "warmup": WARMUP,
+                "kv_bytes_per_token": per_token_bytes(SHAPES[preset["shape"]]), "model_config": SHAPES[preset["shape"]],
+                "platform": "cuda" if on_cuda else "cpu"}
+    if not on_cuda:
+        settings["platform_note"] = (
+            "CPU rehearsal: vLLM's CPU platform has one attention backend, no V2 model runner and no asynchronous "
+            "scheduler, so `vllm-default` here is the CPU's own default and `vllm-triton-sync` runs the same engine "
+            "(its --attention-backend TRITON_ATTN is left out). Tokens/s of a random-weight 2-layer model on a "
+            "shared 2-core CPU say nothing about speed.")
+    payload = {**provenance(sys.argv), "device": None, "settings": settings, "runs": []}
+    if args.resume and args.out.is_file():
+        payload["runs"] = [r for r in json.loads(args.out.read_text())["runs"] if r.get("status") == "ok"]
+    done = {(r["config"], r["pool"]) for r in payload["runs"]}
+    order = [(c, p) for c, p in ORDER if (c, p) not in done and (not args.only or f"{c}.{p}" in args.only)]
+    for name, pool in tqdm(order, desc="rows", unit="engine"):
+        left = deadline - time.monotonic()
+        if left < preset["min_run_s"]:
+            payload["runs"].append({"config": name, "pool": pool, "status": f"not started: {left:.0f} s left"})
+            write_json(args.out, payload)
+            write_report(payload, args.out)
+            continue
+        row = run_row(name, pool, preset, model, work, min(preset["run_timeout_s"], left), on_cuda)
+        payload["device"] = payload["device"] or row.get("device")
+        payload["runs"].append(row)
+        write_json(args.out, payload)
+        write_report(payload, args.out)
+        tqdm.write(f"{name:17s} {pool:6s} {row['status']:12s} {row['engine_s']:6.1f}s  "
+                   f"out {row.get('output_tok_s', '-')} tok/s  peak running {row.get('peak_running', '-')}  "
+                   f"preemptions {row.get('preemptions', '-')}")
+    print(write_report(payload, args.out))
+    print(f"\nwrote {args.out} and its .md, .png")
+
+
+def _on_cuda() -> bool:
+    """Whether vLLM will run on CUDA, without starting CUDA in this process (the rows need all its memory)."""
+    import shutil
+
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True, check=False).returncode == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="put the tokenizer that travels in the carried folder")
+    prep.add_argument("--carry", type=Path, default=CARRY_DIR)
+    sweep = sub.add_parser("run", help="the sweep")
+    sweep.add_argument("--tiny", action="store_true", help="the CPU rehearsal preset")
+    sweep.add_argument("--out", type=Path, default=None, help="results JSON (.md and .png beside it)")
+    sweep.add_argument("--work", type=Path, default=None, help="per-row logs and bench JSONs (default: beside --out)")
+    sweep.add_argument("--carry", type=Path, default=CARRY_DIR)
+    sweep.add_argument("--deadline-s", type=float, default=3600, help="start no row after this many seconds")
+    sweep.add_argument("--resume", action="store_true", help="keep the rows --out already holds and skip them")
+    sweep.add_argument("--only", nargs="+", default=None, help="rows to run, as config.pool")
+    report = sub.add_parser("report", help="the table and plot again from a results JSON")
+    report.add_argument("json", type=Path)
+    one = sub.add_parser("bench-one", help=argparse.SUPPRESS)
+    one.add_argument("--probe-out", type=Path, required=True)
+    one.add_argument("--input-len", type=int, required=True)
+    one.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    if args.command == "prepare":
+        print(prepare(args.carry))
+    elif args.command == "run":
+        args.out = args.out or RESULTS_DIR / ("gpu_rehearsal_cpu.json" if args.tiny else "gpu_throughput.json")
+        run(args)
+    elif args.command == "report":
+        print(write_report(json.loads(args.json.read_text()), args.json))
+    else:
+        bench_one(args.probe_out, args.input_len, args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
+
+
+if __name__ == "__main__":
+    main()
