@@ -15,7 +15,7 @@ from kvpolicy.sample_text import haystack_text
 RESULTS_DIR = Path(__file__).with_name("results")
 #: The passkey question of the fidelity benchmark.
 QUESTION = "\n\nWhat is the pass key? The pass key is"
-#: The plain-completion form under which the default model finds the key at 1K-8K with the full cache (DESIGN.md §3).
+#: The plain-completion form under which the default model finds the key at 1K-8K with the full cache.
 ANSWER_QUESTION = "\n\nWhat is the pass key?\nAnswer: The pass key is"
 
 

@@ -1,7 +1,7 @@
 """Long-context tasks generated locally: seeded, exact token lengths, the answer known.
 
 Each task builds a prompt of exactly ``length`` tokens in the plain-completion
-form the default model answers (DESIGN.md §3: ``...\\nAnswer: The X is``), with
+form the default model answers (``...\\nAnswer: The X is``), with
 the fact asked for at ``depth`` (0 = first, 1 = last) of the context:
 
 - ``passkey``: a five-digit key in repeated filler sentences, stated twice, under Mohtashami &

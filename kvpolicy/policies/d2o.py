@@ -1,4 +1,4 @@
-"""D2O (d2o.txt): layer budgets from attention variance; H2O eviction with sinks; evicted tokens merged back.
+"""D2O (arXiv:2406.13035): layer budgets from attention variance; H2O eviction with sinks; evicted tokens merged back.
 
 Readings we chose (the paper's equations did not survive text extraction;
 the prose of §4, Table 4, §5.1 and App. A.3 settles them):

@@ -1,13 +1,14 @@
 """H2O heavy hitters: accumulated attention, plus a recent window, kept as the request generates.
 
-The baseline named in keydiff.txt and d2o.txt (Zhang et al., 2024). Readings
+The baseline named in KeyDiff (arXiv:2504.15364) and D2O (arXiv:2406.13035); H2O itself is
+Zhang et al., arXiv:2306.14048. Readings
 we chose:
 
 - Accumulated score of a token: the sum, over every query that has seen it,
   of its causal softmax attention weight (at prompt end, the column sums of
   the prompt's attention matrix), per query head. Logits and softmax in
   float32, sums in float64. GQA: the query heads sharing a KV head are
-  averaged, as keydiff.txt (App. B.2) does for its H2O baseline.
+  averaged, as the KeyDiff paper (App. B.2) does for its H2O baseline.
 - ``budget`` counts every token a head keeps: the last ``recent_tokens``
   (at most ``budget``) are always kept, and the ``budget - recent`` best
   scores among the older tokens (ties to the earlier position).

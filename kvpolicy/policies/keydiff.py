@@ -1,4 +1,4 @@
-"""KeyDiff (keydiff.txt): keep the keys least similar to the head's mean key; no attention needed.
+"""KeyDiff (arXiv:2504.15364): keep the keys least similar to the head's mean key; no attention needed.
 
 Readings we chose (the paper's equations did not survive text extraction;
 its prose in §2.4, §3.2 and §3.3 settles them):

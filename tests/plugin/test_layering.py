@@ -1,4 +1,7 @@
-"""DESIGN §2: policies/ and paging/ import no vLLM; only kvpolicy.vllm does; the Triton kernels and C++ ops stand alone."""
+"""The layering of docs/architecture.md: policies/ and paging/ import no vLLM; only kvpolicy.vllm does.
+
+The Triton kernels and the C++ ops stand alone.
+"""
 
 import subprocess
 import sys
