@@ -171,13 +171,14 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
             "--kv-policy installs its own KV connector; drop --kv-transfer-config"
         )
     worker_cls = _platform_worker(engine_args, config)
-    # A policy's step is built on the host from the runner's request state and the blocks the step
-    # before relocated: vLLM's asynchronous scheduler (its CUDA default; CPU never uses it) prepares a
-    # step before the previous one's results are in.
-    if config.changes_attention:
+    # vLLM's asynchronous scheduler (its CUDA default) schedules a step before it reads the step
+    # before's report; a request admitted then may hit the prefix cache on blocks that step relocated
+    # into, whose hashes leave the cache only with the report (connector.py).
+    if config.rewrites_blocks and engine_args.enable_prefix_caching is not False:
         if engine_args.async_scheduling:
             raise KVPolicyConfigError(
-                f"--kv-policy {config.policy} needs vLLM's synchronous scheduler; drop --async-scheduling"
+                f"--kv-policy {config.policy} with prefix caching needs vLLM's synchronous scheduler; "
+                "drop --async-scheduling or add --no-enable-prefix-caching"
             )
         engine_args.async_scheduling = False
     if config.rewrites_blocks:

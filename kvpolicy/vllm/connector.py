@@ -10,11 +10,17 @@ of a prompt being read other requests also read (never written) and which are
 in the prefix cache (written last). PoD lays short prompts out once they
 decode past the recent window, and an offload may come at the end of a
 recompute past the prompt (after a preemption): for them, of every request
-not moved yet. Before the next step is scheduled (vLLM's
-CPU scheduler is synchronous; kvpolicy turns async scheduling off with prefix
-caching), the blocks a relocated request keeps leave the prefix cache and it
-caches no more: they hold its pages, not the tokens their hashes name. The
-blocks it hands back keep their tokens, and their hashes, for the next prompt.
+not moved yet. Before the next step is scheduled (kvpolicy keeps vLLM's
+synchronous scheduler with prefix caching), the blocks a relocated request
+keeps leave the prefix cache and it caches no more: they hold its pages, not
+the tokens their hashes name. The blocks it hands back keep their tokens, and
+their hashes, for the next prompt.
+
+vLLM's asynchronous scheduler schedules step N+1 before it reads step N's
+report, so N+1 may have appended blocks the report never saw: a release frees
+only positions the step had (``BlockReleases.seen``). The blocks it frees were
+still in N+1's block table, which the relocated rows do not read, and vLLM
+hands them out again from step N+2 on, which runs after N+1.
 
 Admission knows compressed requests grow: vLLM appends a block to every
 running request each ``block_size`` tokens it generates, relocated or not,
@@ -57,14 +63,17 @@ class KVPolicyConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class BlockReleases(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: relocated requests hold only the block-table positions ``keep[req]``."""
+    """Worker -> scheduler: of its first ``seen[req]`` block-table positions (those the step had),
+    a relocated request holds only ``keep[req]``."""
 
     keep: dict[str, set[int]]
+    seen: dict[str, int]
 
     def aggregate(self, other: "BlockReleases") -> "BlockReleases":
         # Tensor-parallel ranks hold different heads: keep what any rank needs.
         for req_id, keep in other.keep.items():
             self.keep[req_id] = keep | self.keep.get(req_id, set())
+            self.seen[req_id] = min(other.seen[req_id], self.seen.get(req_id, other.seen[req_id]))
         return self
 
 
@@ -140,7 +149,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
                     self._relocated[req_id] = request
                 if self._kv_cache_manager.enable_caching:
                     stop_caching(self._kv_cache_manager, req_id, keep)
-                release_blocks_except(self._kv_cache_manager, req_id, keep)
+                release_blocks_except(self._kv_cache_manager, req_id, keep, releases.seen[req_id])
 
     # Worker side: attention runs in our backend; nothing to load or save per layer.
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -157,13 +166,14 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> BlockReleases | None:
         """After the step's forward: every layer is relocated, so tail blocks can go."""
-        keep_blocks = {}
+        keep_blocks, seen = {}, {}
         counters = WORKER_STATE.counters
         for req_id, (prompt_done, length) in WORKER_STATE.relocated_this_step.items():
             pages = WORKER_STATE.requests.get(req_id)
             if pages is None:
                 continue
             keep = keep_blocks[req_id] = pages.blocks_to_keep(length)
+            seen[req_id] = len(pages.blocks)
             _release(pages, keep, counters)
             if not prompt_done:
                 counters["eviction_passes"] += 1
@@ -182,9 +192,10 @@ class KVPolicyConnector(KVConnectorBase_V1):
             if request is None:
                 continue
             keep_blocks[req_id] = keep
+            seen[req_id] = len(request.blocks)
             _release(request, keep, counters)
         WORKER_STATE.offloaded_this_step.clear()
-        return BlockReleases(keep_blocks) if keep_blocks else None
+        return BlockReleases(keep_blocks, seen) if keep_blocks else None
 
     def get_kv_connector_stats(self) -> KVPolicyStats | None:
         report = WORKER_STATE.take_report()

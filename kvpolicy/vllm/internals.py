@@ -58,8 +58,8 @@ KV_MEMORY_NEEDED_FUNCTIONS = ("max_memory_usage_bytes", "_max_memory_usage_bytes
 
 
 
-def release_blocks_except(kv_cache_manager, req_id: str, keep: set[int]) -> None:
-    """Free a request's blocks at every block-table position not in ``keep``.
+def release_blocks_except(kv_cache_manager, req_id: str, keep: set[int], seen: int) -> None:
+    """Free a request's blocks at every block-table position below ``seen`` not in ``keep``.
 
     What sliding-window attention does with blocks it no longer reads
     (``SingleTypeKVCacheManager._remove_blocks_in_range``, v1/core/
@@ -67,13 +67,15 @@ def release_blocks_except(kv_cache_manager, req_id: str, keep: set[int]) -> None
     so the list keeps its length and vLLM keeps appending one block per
     ``block_size`` logical tokens. A freed block that is in the prefix cache
     stays there (it still holds its tokens). A request that already finished
-    is skipped.
+    is skipped. ``seen``: the positions the worker's step had; vLLM's
+    asynchronous scheduler appends the next step's blocks before it reads the
+    step's report (``EngineCore.step_with_batch_queue``), and those are in use.
     """
     for manager in kv_cache_manager.coordinator.single_type_managers:
         blocks = manager.req_to_blocks.get(req_id)
         if blocks is None:
             continue
-        for position in range(len(blocks)):
+        for position in range(min(len(blocks), seen)):
             if position not in keep:
                 # One position at a time: the range form stops at the first null block.
                 manager._remove_blocks_in_range(req_id, position, position + 1)

@@ -136,6 +136,22 @@ def generate_aborting(llm, token_lists, params, steps: int) -> list:
     return [finished[key] for key in sorted(finished, key=int)]
 
 
+def keep_async_scheduling_on_cpu() -> None:
+    """vLLM's CPU platform turns its asynchronous scheduler off (``CpuPlatform.check_and_update_config``);
+    its engine core, scheduler and model runner run it all the same, so the order it schedules steps in
+    can be checked here."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def check_keeping_async(cls, vllm_config):
+        wanted = vllm_config.scheduler_config.async_scheduling
+        check(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    CpuPlatform.check_and_update_config = classmethod(check_keeping_async)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -168,6 +184,7 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="CUDA: lower it to run engines side by side")
     parser.add_argument("--attention-backend", default=None, help="vLLM's --attention-backend, by name")
     parser.add_argument("--cuda-graphs", action="store_true", help="CUDA: let vLLM capture its graphs (no --enforce-eager)")
+    parser.add_argument("--async-scheduling", action="store_true", help="vLLM's asynchronous scheduler, on CPU too")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -211,6 +228,9 @@ def main() -> int:
         kwargs["attention_backend"] = AttentionBackendEnum[args.attention_backend]
     if args.no_reserve_growth:
         kwargs["kv_reserve_growth"] = False
+    if args.async_scheduling:
+        keep_async_scheduling_on_cpu()
+        kwargs["async_scheduling"] = True
     for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau", "page_pool"):
         if getattr(args, name) is not None:
             kwargs[f"kv_{name}"] = getattr(args, name)
@@ -271,6 +291,7 @@ def main() -> int:
         "counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions,
         "prefix_cache_hits": prefix_hits,
         "block_bytes": block_bytes,
+        "async_scheduling": bool(config.scheduler_config.async_scheduling),
     }
     if args.capture:
         import torch

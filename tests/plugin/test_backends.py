@@ -78,6 +78,16 @@ def test_on_cuda_pages_stay_in_each_layers_cache(on_cuda):
     args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="pyramid", budget=128, page_pool="layer"))
 
 
+@pytest.mark.parametrize(
+    "policy, prefix_caching",
+    [("adasnap", False), ("omnikv", None)],  # omnikv without --kv-offload writes no block
+)
+def test_on_cuda_a_policy_that_rewrites_no_cached_block_keeps_vllms_asynchronous_scheduler(on_cuda, policy, prefix_caching):
+    engine_args = EngineArgs(model="m", enable_prefix_caching=prefix_caching)
+    args._prepare_engine_args(engine_args, KVPolicyConfig(policy=policy, budget=128))
+    assert engine_args.async_scheduling is None
+
+
 def test_on_cuda_none_keeps_vllms_scheduler(on_cuda):
     engine_args = EngineArgs(model="m")
     args._prepare_engine_args(engine_args, KVPolicyConfig(policy="none"))

@@ -1,0 +1,50 @@
+"""vLLM's asynchronous scheduler gives kvpolicy's policies what its synchronous one gives, bit for bit.
+
+That scheduler (vLLM's CUDA default) schedules step N+1 before it reads step
+N's block releases (``kvpolicy/vllm/connector.py``). vLLM's CPU platform turns
+it off; ``engine_run.py --async-scheduling`` turns it back on, and vLLM's engine
+core, scheduler and model runner run it on CPU as on a GPU. The runs are those
+of the first GPU check: the tiny model of head size 64, 32-token blocks, a
+256 MiB pool. There, before the fix, ``identity``'s 256-token request took its
+first decode token into a block the release had just freed, and a request that
+crossed a block boundary 13 steps later wrote three tokens over it.
+"""
+
+import pytest
+
+from kvpolicy.model import prepare_tiny
+from kvpolicy.vllm.metrics import GAUGES
+
+RUN = ("--block-size", "32", "--pool-mib", "256")
+#: Memory snapshots of the last step's report: the worker learns of finished requests a step later
+#: under the asynchronous scheduler, so the last snapshot may still count them.
+SNAPSHOTS = {name.removeprefix("vllm:kvpolicy_") for name, _, _ in GAUGES.values()}
+POLICIES = {
+    "identity": ("--policy", "identity"),  # keeps every token; releases nothing
+    "adasnap": ("--policy", "adasnap", "--budget", "128"),  # compresses each prompt once, releases its tail
+    "keydiff": ("--policy", "keydiff", "--budget", "128"),  # evicts at every prompt chunk
+    "h2o": ("--policy", "h2o", "--budget", "128"),  # evicts in decode too
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return prepare_tiny(num_layers=3, num_heads=4, num_kv_heads=2, head_size=64)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_asynchronous_scheduling_gives_the_synchronous_tokens_logprobs_and_counters(engine_run, tiny_model, policy):
+    synchronous = engine_run(*POLICIES[policy], *RUN, model=tiny_model)
+    asynchronous = engine_run(*POLICIES[policy], *RUN, "--async-scheduling", model=tiny_model)
+    assert (synchronous["async_scheduling"], asynchronous["async_scheduling"]) == (False, True)
+    for i, (a, b) in enumerate(zip(synchronous["requests"], asynchronous["requests"], strict=True)):
+        assert a == b, f"request {i} differs"
+    totals = [{k: v for k, v in run["counters"].items() if k not in SNAPSHOTS} for run in (synchronous, asynchronous)]
+    assert totals[0] == totals[1]
+    assert asynchronous["kv_cache_usage_end"] == 0
+
+
+def test_prefix_caching_keeps_the_synchronous_scheduler(engine_run, tiny_model):
+    refused = engine_run(*POLICIES["adasnap"], *RUN, "--prefix-caching", "--async-scheduling", model=tiny_model, fails=True)
+    assert "with prefix caching needs vLLM's synchronous scheduler" in refused
