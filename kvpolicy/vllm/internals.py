@@ -138,6 +138,17 @@ def held_blocks(kv_cache_manager, req_id: str) -> tuple[int, int] | None:
     return None if blocks is None else (sum(not b.is_null for b in blocks), len(blocks))
 
 
+def host_batch_tensors(cam, runner) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seq_lens, block_table)`` of a step's rows on the host, without waiting for the device: the
+    runner's host copies (``CommonAttentionMetadata.seq_lens_cpu_upper_bound``, exact without speculative
+    decoding, which kvpolicy refuses; the V1 runner's CPU block table of KV-cache group 0, which it
+    copies to the device)."""
+    num_reqs = cam.num_reqs
+    seq_lens = cam.seq_lens_cpu_upper_bound
+    seq_lens = cam.seq_lens[:num_reqs].cpu() if seq_lens is None else seq_lens[:num_reqs]
+    return seq_lens, runner.input_batch.block_table[0].get_cpu_tensor()[:num_reqs]
+
+
 def tensor_parallel_gather():
     """``(rank, size, gather)`` of this worker's tensor-parallel group; ``gather`` stacks every rank's
     CPU tensor along dim 0 over the group's gloo communicator (``GroupCoordinator.cpu_group``), which
@@ -190,6 +201,7 @@ __all__ = [
     "register_backend",
     "block_sharing",
     "held_blocks",
+    "host_batch_tensors",
     "reserve_for_admissions",
     "release_blocks_except",
     "stop_caching",

@@ -16,6 +16,7 @@ import torch
 
 from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots
 from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
+from kvpolicy.vllm.internals import host_batch_tensors
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
     AttentionBatch,
@@ -37,7 +38,7 @@ from kvpolicy.vllm.step import (
 
 @dataclass(frozen=True)
 class HostBatch:
-    """The parts of vLLM's batch a step is built from, on the host (one small copy per step on a GPU)."""
+    """The parts of vLLM's batch a step is built from, read from the runner's host copies (no device sync)."""
 
     num_reqs: int
     req_ids: list[str]
@@ -46,14 +47,15 @@ class HostBatch:
     block_table: torch.Tensor
 
     @classmethod
-    def of(cls, cam, req_ids: list[str]) -> "HostBatch":
+    def of(cls, cam, runner) -> "HostBatch":
         num_reqs = cam.num_reqs
+        seq_lens, block_table = host_batch_tensors(cam, runner)
         return cls(
             num_reqs,
-            req_ids[:num_reqs],
+            runner.input_batch.req_ids[:num_reqs],
             cam.query_start_loc_cpu[: num_reqs + 1].numpy(),
-            cam.seq_lens[:num_reqs].cpu(),
-            cam.block_table_tensor[:num_reqs].cpu(),
+            seq_lens,
+            block_table,
         )
 
 
@@ -76,11 +78,11 @@ class StepBuilder:
     def build(self, cam) -> Step | None:
         """``cam``: vLLM's ``CommonAttentionMetadata`` of the step. None: every row takes the stock path."""
         if WORKER_STATE.selects_context:
-            return self._selecting(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
+            return self._selecting(HostBatch.of(cam, WORKER_STATE.runner))
         if WORKER_STATE.shares_scores:
-            return self._sharing(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
+            return self._sharing(HostBatch.of(cam, WORKER_STATE.runner))
         if WORKER_STATE.relocates:
-            return self._relocating(HostBatch.of(cam, WORKER_STATE.runner.input_batch.req_ids))
+            return self._relocating(HostBatch.of(cam, WORKER_STATE.runner))
         return None
 
     def _relocating(self, batch: HostBatch) -> RelocatingStep:

@@ -1,0 +1,339 @@
+"""Host time of kvpolicy's CUDA step at an 8B shape: everything a GPU step waits for but the kernels.
+
+    python benchmarks/host_overhead.py            # batches 1, 16, 64, 256; writes results/host_overhead.json, .md, .png
+    python benchmarks/host_overhead.py --quick    # batches 1 and 16, fewer steps
+
+Drives the real code of the CUDA path on this CPU: the step builder
+(``StepBuilder.build`` with the Triton ops' planner) and the ops' staging of
+the step's index tensors (``TritonOps.stage``), then, per layer, the
+per-head path's write, attention and after-attention glue with
+``TritonOps``, whose kernels and cache geometry are replaced by stubs that do
+nothing. What is timed is therefore Python, numpy and small torch work on the
+host: on a GPU the kernels queue asynchronously behind it, so a step costs at
+least this much host time whatever the GPU.
+
+Shape: Llama-3.1-8B (32 layers, 32 query heads over 8 KV heads, head size
+128, bfloat16) on vLLM's 16-token CUDA blocks; every request has a 4,096-token
+context compressed to ``adasnap``'s budget of 1,024 tokens per KV head on
+average, with Ada-KV's uneven per-head lengths (each head keeps between half
+and twice the budget; every layer's heads add up to the layer's budget).
+Two steps per batch size B: B decoding requests; and one 2,048-token prompt
+chunk (the first half of a new 4K prompt, read on the stock rows) beside B
+decodes.
+
+Host<->device traffic is counted, not timed: every copy the ops make to the
+cache's device (``ops/staging.py``'s ``copy_to``: the step's one staged copy,
+and tensors made after it) is a host-to-device copy on a GPU, and every
+``.cpu()`` that kvpolicy's code calls during the step is a device-to-host copy
+there. The compressed-prompt row relocates one 4K prompt
+(its last chunk completes it) through every layer, with the policy scoring
+random K/V on this CPU, and reports the bytes that would cross.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # TritonOps refuses to start without a GPU otherwise; no kernel runs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kvpolicy.vllm.ops.triton as triton_ops  # noqa: E402
+from kvpolicy.vllm.ops import staging  # noqa: E402
+from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
+from kvpolicy.config import KVPolicyConfig  # noqa: E402
+from kvpolicy.paging import RequestPages  # noqa: E402
+from kvpolicy.vllm.per_head import PerHeadPath  # noqa: E402
+from kvpolicy.vllm.state import WORKER_STATE  # noqa: E402
+from kvpolicy.vllm.step_builder import StepBuilder  # noqa: E402
+
+SHAPE = {"num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16}
+CONTEXT, BUDGET, CHUNK = 4096, 1024, 2048
+DTYPE = torch.bfloat16
+PRESETS = {
+    "full": {"batches": [1, 16, 64, 256], "steps": 20},
+    "quick": {"batches": [1, 16], "steps": 5},
+}
+COLUMNS = [
+    "step", "batch", "build_ms", "layers_ms", "host_ms", "host_ms_per_row",
+    "h2d_copies", "h2d_bytes", "d2h_copies", "d2h_bytes",
+]
+KVPOLICY_DIR = str(Path(triton_ops.__file__).resolve().parents[2])
+
+
+class Traffic:
+    """Host<->device copies the CUDA path would make: the ops' ``copy_to`` (host to device), and every
+    ``Tensor.cpu`` called from kvpolicy's code (device to host; on this CPU both are no-ops)."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+
+    @contextmanager
+    def recording(self):
+        real_copy, real_cpu = staging.copy_to, torch.Tensor.cpu
+        counts = self.counts
+
+        def copy_to(device, tensors):
+            counts["h2d_copies"] += len(tensors)
+            counts["h2d_bytes"] += sum(t.nbytes for t in tensors)
+            return real_copy(device, tensors)
+
+        def cpu(tensor, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.startswith(KVPOLICY_DIR):
+                counts["d2h_copies"] += 1
+                counts["d2h_bytes"] += tensor.nbytes
+            return real_cpu(tensor, *args, **kwargs)
+
+        staging.copy_to, torch.Tensor.cpu = copy_to, cpu
+        try:
+            yield
+        finally:
+            staging.copy_to, torch.Tensor.cpu = real_copy, real_cpu
+
+
+@contextmanager
+def kernels_stubbed():
+    """The Triton ops' kernels do nothing; ``gather_tokens`` returns random K/V of the right size."""
+    head_size = SHAPE["head_size"]
+
+    def gather(cache, geometry, slots):
+        return (torch.randn(slots.numel(), head_size, dtype=DTYPE), torch.randn(slots.numel(), head_size, dtype=DTYPE))
+
+    def weights(query, cache, geometry, token_of, head_of, table, seq_lens, scale, kv_heads):
+        return torch.zeros(seq_lens.numel(), int(seq_lens.max()))
+
+    stubs = {
+        "paged_attention": lambda *args: None,
+        "write_slots": lambda *args: None,
+        "move_tokens": lambda *args: None,
+        "scatter_tokens": lambda *args: None,
+        "gather_tokens": gather,
+        "new_token_weights": weights,
+        "cache_geometry": lambda layer, cache: None,
+    }
+    saved = {name: getattr(triton_ops, name) for name in stubs}
+    for name, stub in stubs.items():
+        setattr(triton_ops, name, stub)
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(triton_ops, name, real)
+
+
+def uneven_head_lengths(rng: np.random.Generator, layers: int, heads: int, budget: int) -> np.ndarray:
+    """[layers, heads] kept tokens per head, between half and twice ``budget``, each layer summing to ``heads * budget``."""
+    lengths = np.full((layers, heads), budget)
+    for layer in range(layers):
+        for _ in range(4 * heads):
+            give, take = rng.integers(heads, size=2)
+            amount = int(rng.integers(0, budget // 4))
+            if lengths[layer, give] - amount >= budget // 2 and lengths[layer, take] + amount <= 2 * budget:
+                lengths[layer, give] -= amount
+                lengths[layer, take] += amount
+    return lengths
+
+
+class SyntheticEngine:
+    """What the CUDA backend sees of vLLM: the runner's requests, the per-layer caches (one block each: the
+    stubbed kernels never read them; page pools per layer, as on CUDA), and each step's ``CommonAttentionMetadata``."""
+
+    def __init__(self, policy: str, budget: int):
+        layers, heads, block = SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["block_size"]
+        self.blocks_per_request = -(-(2 * CONTEXT) // block)
+        self.next_block = 0
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.tables: dict[str, list[int]] = {}
+        caches = [torch.empty(1, heads, block, 2 * SHAPE["head_size"], dtype=DTYPE)] * layers
+        self.runner = SimpleNamespace(requests=self.requests, input_batch=SimpleNamespace(req_ids=[]), kv_caches=caches)
+        WORKER_STATE.configure(KVPolicyConfig(policy=policy, budget=budget, page_pool="layer"), self.runner)
+        impl = SimpleNamespace(alibi_slopes=None, sinks=None, logits_soft_cap=None, scale=SHAPE["head_size"] ** -0.5,
+                               num_kv_heads=heads)
+        self.ops = triton_ops.TritonOps(impl)
+        self.path = PerHeadPath(self.ops)
+        self.builder = StepBuilder(
+            num_layers=layers, num_heads=SHAPE["num_heads"], num_kv_heads=heads, block_size=block,
+            max_model_len=2 * CONTEXT, plan=self.ops.plan,
+        )
+        self.rng = np.random.default_rng(0)
+
+    def add_request(self, req_id: str, computed: int, compressed: bool) -> None:
+        """A request of a ``CONTEXT``-token prompt with ``computed`` tokens in the cache; ``compressed``: its
+        prompt already relocated to Ada-KV's uneven per-head lengths."""
+        table = list(range(self.next_block, self.next_block + self.blocks_per_request))
+        self.next_block += self.blocks_per_request
+        self.tables[req_id] = table
+        self.requests[req_id] = SimpleNamespace(
+            num_prompt_tokens=CONTEXT, num_tokens=CONTEXT, num_computed_tokens=computed,
+            sampling_params=SimpleNamespace(extra_args=None),
+        )
+        if compressed:
+            layers, heads, block = SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["block_size"]
+            pages = RequestPages(layers, heads, block, table[: -(-CONTEXT // block)])
+            for layer, counts in enumerate(uneven_head_lengths(self.rng, layers, heads, BUDGET)):
+                pages.relocate(layer, [torch.arange(int(n)) for n in counts])
+            WORKER_STATE.requests[req_id] = pages
+
+    def metadata(self, rows: list[tuple[str, int]]) -> SimpleNamespace:
+        """vLLM's metadata of a step whose rows are (request, new tokens); advances each request by them."""
+        for req_id, new in rows:
+            request = self.requests[req_id]
+            request.num_computed_tokens += new
+            request.num_tokens = max(CONTEXT, request.num_computed_tokens)
+        block_table = torch.tensor([self.tables[r] for r, _ in rows], dtype=torch.int32)
+        self.runner.input_batch.req_ids = [req_id for req_id, _ in rows]
+        self.runner.input_batch.block_table = [SimpleNamespace(get_cpu_tensor=lambda: block_table)]
+        query_lens = torch.tensor([new for _, new in rows], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_start_loc[1:] = query_lens.cumsum(0)
+        seq_lens = torch.tensor([self.requests[r].num_computed_tokens for r, _ in rows], dtype=torch.int32)
+        return SimpleNamespace(
+            num_reqs=len(rows),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens,
+            seq_lens_cpu_upper_bound=seq_lens,
+            block_table_tensor=block_table,
+        )
+
+    def run_step(self, rows: list[tuple[str, int]]) -> tuple[float, float]:
+        """Build the step and run every layer's host glue; (build seconds, layers seconds)."""
+        cam = self.metadata(rows)
+        tokens = int(cam.query_start_loc_cpu[-1])
+        heads, kv_heads, head_size = SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_size"]
+        query = torch.zeros(tokens, heads, head_size, dtype=DTYPE)
+        key = torch.zeros(tokens, kv_heads, head_size, dtype=DTYPE)
+        out = torch.empty_like(query)
+        cache = self.runner.kv_caches[0]
+        layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+        start = time.perf_counter()
+        step = self.builder.build(cam)
+        self.ops.stage(step)  # as the backends' metadata builders do
+        built = time.perf_counter()
+        for layer_idx in range(SHAPE["num_layers"]):  # as ``KVPolicyAttention`` dispatches; vLLM's own calls left out
+            if step.per_head is not None:
+                self.path.write(layer, layer_idx, key, key, cache, step.per_head)
+            if step.per_head is not None or step.summed:
+                self.path.attend(layer, layer_idx, query, out, cache, step)
+            self.path.after_attention(layer, layer_idx, query, cache, step)
+        done = time.perf_counter()
+        WORKER_STATE.relocated_this_step.clear()
+        return built - start, done - built
+
+
+def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
+    engine = SyntheticEngine(policy, BUDGET)
+    decoding = [f"decode-{i}" for i in range(batch)]
+    for req_id in decoding:
+        engine.add_request(req_id, CONTEXT, compressed=True)
+    traffic = Traffic()
+    builds, layers = [], []
+    for step in range(steps + 1):
+        rows = [(req_id, 1) for req_id in decoding]
+        if mixed:
+            prompt = f"prompt-{step}"
+            engine.add_request(prompt, 0, compressed=False)
+            rows.insert(0, (prompt, CHUNK))
+        if step == 0:  # warm-up: caches of the first step
+            engine.run_step(rows)
+            continue
+        with traffic.recording():
+            build_s, layers_s = engine.run_step(rows)
+        builds.append(build_s)
+        layers.append(layers_s)
+    build_ms, layers_ms = 1e3 * statistics.median(builds), 1e3 * statistics.median(layers)
+    per_step = {key: value // steps for key, value in traffic.counts.items()}
+    return {
+        "step": f"{batch} decodes + {CHUNK}-token chunk" if mixed else f"{batch} decodes",
+        "batch": batch,
+        "mixed": mixed,
+        "build_ms": build_ms,
+        "layers_ms": layers_ms,
+        "host_ms": build_ms + layers_ms,
+        "host_ms_per_row": (build_ms + layers_ms) / batch,
+        "h2d_copies": per_step.get("h2d_copies", 0),
+        "h2d_bytes": per_step.get("h2d_bytes", 0),
+        "d2h_copies": per_step.get("d2h_copies", 0),
+        "d2h_bytes": per_step.get("d2h_bytes", 0),
+    }
+
+
+def measure_prompt(policy: str) -> dict:
+    """One 4K prompt whose last chunk completes it this step, relocated in every layer."""
+    engine = SyntheticEngine(policy, BUDGET)
+    engine.add_request("prompt", 0, compressed=False)
+    engine.run_step([("prompt", CONTEXT - CHUNK)])
+    traffic = Traffic()
+    with traffic.recording():
+        build_s, layers_s = engine.run_step([("prompt", CHUNK)])
+    counts = traffic.counts
+    return {
+        "step": f"compress one {CONTEXT}-token prompt (last {CHUNK}-token chunk)",
+        "batch": 1,
+        "mixed": True,
+        "build_ms": 1e3 * build_s,
+        "layers_ms": 1e3 * layers_s,
+        "host_ms": 1e3 * (build_s + layers_s),
+        "host_ms_per_row": None,
+        "scoring_on_host": True,
+        **{key: counts.get(key, 0) for key in ("h2d_copies", "h2d_bytes", "d2h_copies", "d2h_bytes")},
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for mixed, label in ((False, "decode step"), (True, f"decodes + {CHUNK}-token chunk")):
+        series = [r for r in rows if r["mixed"] == mixed and r["host_ms_per_row"] is not None]
+        batches = [r["batch"] for r in series]
+        axes[0].plot(batches, [r["host_ms"] for r in series], marker="o", label=label)
+        axes[1].plot(batches, [r["h2d_copies"] for r in series], marker="o", label=label)
+    axes[0].axhline(1.0, color="grey", linestyle="--", label="goal at batch 256: 1 ms")
+    for ax, ylabel in ((axes[0], "host ms per step"), (axes[1], "host-to-device copies per step")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (decoding requests)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    fig.suptitle("kvpolicy's host side of a CUDA step, 8B shape, adasnap@1024 (kernels stubbed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 16, 5 steps each")
+    parser.add_argument("--policy", default="adasnap")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    preset = PRESETS["quick" if args.quick else "full"]
+    out = args.out or RESULTS_DIR / ("host_overhead_quick.json" if args.quick else "host_overhead.json")
+    torch.set_num_threads(1)  # the host side of a step is one Python thread
+    cases = [(batch, mixed) for batch in preset["batches"] for mixed in (False, True)]
+    rows = []
+    with kernels_stubbed():
+        for batch, mixed in tqdm(cases, desc="steps"):
+            rows.append(measure(batch, preset["steps"], mixed, args.policy))
+        rows.append(measure_prompt(args.policy))
+    settings = {"shape": SHAPE, "context": CONTEXT, "budget": BUDGET, "chunk": CHUNK, "policy": args.policy,
+                "dtype": str(DTYPE), **preset}
+    write_results(out, settings, rows, COLUMNS, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
