@@ -12,17 +12,19 @@
 #   benchmarks/gpu/run.sh              # on the GPU machine
 #   benchmarks/gpu/run.sh --tiny       # the CPU rehearsal: tiny model, no nvidia-smi, no kernels step
 #   benchmarks/gpu/run.sh --steps "0 2"   # only these steps
+#   benchmarks/gpu/run.sh --steps "0 2" --resume   # a later window: the sweep's rows not in .cache/gpu/throughput_sweep.json
 # Budget (seconds, GPU): step 0 up to 120, step 1 up to 150, step 3 keeps 60, step 2 gets the rest of TOTAL_S=540.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 
-TINY=0 PREPARE=0 STEPS="0 1 2 3"
+TINY=0 PREPARE=0 RESUME=0 STEPS="0 1 2 3"
 while (($#)); do
   case $1 in
     --tiny) TINY=1 ;;
     --prepare) PREPARE=1 ;;
+    --resume) RESUME=1 ;;
     --steps) STEPS=$2; shift ;;
-    *) echo "usage: $0 [--tiny] [--prepare] [--steps \"0 1 2 3\"]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--tiny] [--prepare] [--resume] [--steps \"0 1 2 3\"]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -91,7 +93,7 @@ note "run.sh $( ((TINY)) && echo --tiny) on $(hostname), python $PY, steps $STEP
 
 if wants 0; then
   if compgen -G "$PARTS/*" > /dev/null; then
-    step unpack 150 "$PY" benchmarks/gpu/bundle.py unpack "$PARTS" --target "$SITE"
+    step unpack 150 "$PY" benchmarks/gpu/bundle.py unpack "$PARTS" --target "$SITE" --complete
   else
     note "step unpack: no bundle parts under $PARTS, unpack skipped (vLLM must already be importable)"
   fi
@@ -146,8 +148,13 @@ if wants 2; then
   ((TINY)) || { echo "--- GPU memory before the sweep"; nvidia-smi --query-gpu=memory.used,memory.total --format=csv; } >> "$ENV_FILE" 2>&1
   KEEP=$( ((TINY)) || ! wants 3 && echo 15 || echo 75)  # seconds left for step 3 and packing
   SWEEP_S=$(($(left) - KEEP))
+  RESUMED=()
+  if ((RESUME)) && cp "$CARRY/throughput_sweep.json" "$OUT/throughput_sweep.json"; then
+    RESUMED=(--resume)
+    note "sweep: resuming the rows of $CARRY/throughput_sweep.json"
+  fi
   step sweep $((SWEEP_S + 30)) "$PY" benchmarks/gpu/throughput_sweep.py run $( ((TINY)) && echo --tiny) \
-    --out "$OUT/throughput_sweep.json" --work "$WORK/sweep" --deadline-s "$SWEEP_S"
+    --out "$OUT/throughput_sweep.json" --work "$WORK/sweep" --deadline-s "$SWEEP_S" "${RESUMED[@]}"
   rc=$?
   tr '\r' '\n' < "$LOGS/sweep.log" | grep -oE "^ *(vllm-default|vllm-triton-sync|none|adasnap|adamix) +(tight|middle|loose) .*"
   # A sweep ended by its timeout has its JSON; the table and plot are drawn again from it.

@@ -22,7 +22,7 @@ serve a short untimed warm-up (two prompts of the input length, 16 tokens:
 Triton compiles its kernels for these shapes there, not inside the timed
 run), to read ``LLM.get_metrics()`` before and after the timed run
 (preemptions, kvpolicy's released blocks and kept tokens), and to sample
-``vllm:num_requests_running`` every 50 ms while it runs (peak and mean).
+``vllm:num_requests_running`` every 100 ms while it runs (peak and mean).
 
 Configs, in ``CONFIGS``: plain vLLM with its defaults (on CUDA: FlashAttention
 3, the V2 model runner, the asynchronous scheduler; on CPU: the CPU's own
@@ -41,15 +41,16 @@ of the graphs, piecewise). ``--max-num-seqs 32`` (no pool runs more than 32
 prompts) caps the graph capture at 64 tokens instead of 512, so capture
 takes seconds; the same value for every row keeps vLLM's compile cache
 (keyed by the config, not the pool size) valid across pools. ``--tiny`` runs
-``-O0`` instead: on the 2-core CPU a compile costs 20 s per config and the
-rehearsal checks the pipeline, not speed.
+``-O0`` with the engine core in the bench's process instead: on the 2-core
+CPU a compile costs 20 s per config and the two extra processes 40 s per
+engine, and the rehearsal checks the pipeline, not speed.
 
-Time on one H100/H200 (estimates, never measured; the numbers behind them
-are in benchmarks/gpu/README.md): engine start about 50 s the first time a
+Time on one H100 (estimates, never measured; how they were made is in
+benchmarks/gpu/README.md): an engine starts in about 50 s the first time a
 config runs (imports, 16 GB of random weights, torch.compile, graph
-capture) and about 25 s for the next pool of the same config (compile
-cache); a run 20-40 s (1,024 decode steps per wave of requests at 6-12 ms a
-step, plus 4,096-token prefills). The first four rows take about 4.5 minutes.
+capture) and in about 25 s for its next pool (compile cache); a row runs
+16-30 s (1,024 decode steps per wave of requests at 6-12 ms a step, plus
+0.12 s per 4,096-token prefill). The first four rows take about 4 minutes.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ CONFIGS = {
     "adamix": {"label": "--kv-policy adamix", "args": ["--kv-policy", "adamix", "--kv-budget", "{budget}"],
                "cuda_args": [], "env": {}},
 }
-BASELINES = {"x_vllm": "vllm-default", "x_vllm_sync": "vllm-triton-sync"}
+BASELINES = {"vs_vllm_default": "vllm-default", "vs_vllm_triton_sync": "vllm-triton-sync"}
 #: Most important first: what a user compares (tight and loose), then what splits the difference.
 ORDER = [
     ("vllm-default", "tight"), ("adasnap", "tight"), ("vllm-default", "loose"), ("adasnap", "loose"),
@@ -141,7 +142,7 @@ ORDER = [
     ("none", "middle"),
 ]
 WARMUP = {"prompts": 2, "output_len": 16}
-SAMPLE_EVERY_S = 0.05
+SAMPLE_EVERY_S = 0.1
 THROUGHPUT_LINE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
 #: Log lines that say what vLLM actually ran (backend, runner, scheduler, graphs, start-up time).
 FACT_LINE = re.compile(r"Using .*backend|FlashAttention version|Model Runner V2|Async scheduling|Graph capturing finished|"
