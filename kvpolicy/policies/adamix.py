@@ -41,8 +41,9 @@ def layer_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Each score's rank among all of the layer's scores, in [0, 1], 1 the best (ties: lower head, then earlier position, higher)."""
     flat = scores.reshape(-1)
     order = flat.argsort(descending=True, stable=True)
-    ranks = torch.empty(flat.numel(), dtype=torch.float64)
-    ranks[order] = torch.arange(flat.numel() - 1, -1, -1, dtype=torch.float64) / max(flat.numel() - 1, 1)
+    ranks = torch.empty(flat.numel(), dtype=torch.float64, device=flat.device)
+    descending = torch.arange(flat.numel() - 1, -1, -1, dtype=torch.float64, device=flat.device)
+    ranks[order] = descending / max(flat.numel() - 1, 1)
     return ranks.view_as(scores)
 
 

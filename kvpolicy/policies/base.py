@@ -170,5 +170,5 @@ class Policy:
 
     @staticmethod
     def keep_all(prompt: PromptKV) -> list[torch.Tensor]:
-        every = torch.arange(prompt.num_tokens, dtype=torch.int64)
+        every = torch.arange(prompt.num_tokens, dtype=torch.int64, device=prompt.keys.device)
         return [every for _ in range(prompt.num_heads)]

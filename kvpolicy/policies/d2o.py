@@ -46,6 +46,7 @@ the backend adds attention weights and runs the eviction passes as for H2O.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,21 +58,29 @@ from kvpolicy.policies.h2o import attention_column_sums, group_mean, heavy_hitte
 
 def prompt_attention_variance(keys: torch.Tensor, queries: torch.Tensor) -> float:
     """A layer's attention density (eq. 4): variance of each query head's column sums, averaged over heads."""
-    return column_sums_variance(attention_column_sums(keys, queries))
+    return column_sums_variance(attention_column_sums(keys, queries)).item()
 
 
-def column_sums_variance(column_sums: torch.Tensor) -> float:
-    return column_sums.var(dim=-1, correction=0).mean().item()
+def column_sums_variance(column_sums: torch.Tensor) -> torch.Tensor:
+    """``prompt_attention_variance`` from the column sums, a 0-dim float64 tensor where they are."""
+    return column_sums.var(dim=-1, correction=0).mean()
 
 
-def layer_budgets(variances: list[float], budget: int) -> list[int]:
-    """Tokens per KV head for each layer (eq. 5): inverse-variance softmax of ``layers * budget``."""
-    shares = torch.softmax(1 / torch.tensor(variances, dtype=torch.float64), dim=0)
+def layer_budgets(variances: Sequence[float] | torch.Tensor, budget: int) -> list[int]:
+    """Tokens per KV head for each layer (eq. 5): inverse-variance softmax of ``layers * budget``.
+
+    ``variances``: one per layer, floats or a float64 tensor on any device; the budgets come back to
+    the host once (the page tables are sized by them)."""
+    if not isinstance(variances, torch.Tensor):
+        variances = torch.tensor(variances, dtype=torch.float64)
+    shares = torch.softmax(1 / variances.double(), dim=0)
     total = len(variances) * budget
     exact = shares * total
     counts = exact.floor()
     by_remainder = (counts - exact).argsort(stable=True)
-    counts[by_remainder[: total - int(counts.sum())]] += 1
+    rank = torch.empty_like(by_remainder)
+    rank[by_remainder] = torch.arange(rank.numel(), device=rank.device)
+    counts += (rank < total - counts.sum()).to(counts.dtype)
     return counts.long().tolist()
 
 
@@ -98,7 +107,8 @@ def merge_evicted(
     step = best.mean(dim=-1)
     threshold = step if threshold is None else beta * step + (1 - beta) * threshold
     weight = torch.where(best >= threshold[:, None], best.exp(), 0.0)
-    norm = torch.full(kept_keys.shape[:2], math.e, dtype=torch.float64).scatter_add(1, nearest, weight)
+    norm = torch.full(kept_keys.shape[:2], math.e, dtype=torch.float64, device=weight.device)
+    norm = norm.scatter_add(1, nearest, weight)
 
     def fuse(kept: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
         target = nearest[..., None].expand(-1, -1, evicted.shape[-1])
@@ -139,7 +149,7 @@ class D2O(Policy):
         return prompt_column_sums(prompt)
 
     def layer_budgets(self, observations: list[torch.Tensor], budget: int) -> list[int]:
-        return layer_budgets([column_sums_variance(sums) for sums in observations], budget)
+        return layer_budgets(torch.stack([column_sums_variance(sums) for sums in observations]), budget)
 
     def compress(self, prompt: PromptKV, budget: int, observation: torch.Tensor | None = None) -> CompressedKV:
         scores = prompt.scores
@@ -153,9 +163,9 @@ class D2O(Policy):
         kept_scores = scores.gather(1, kept)
         if not self.merge:
             return CompressedKV(list(kept.unbind(0)), scores=kept_scores)
-        heads, length = scores.shape
-        dropped = torch.ones(heads, length, dtype=torch.bool).scatter(1, kept, False)
-        evicted = torch.arange(length).expand(heads, -1)[dropped].view(heads, -1)
+        # Every head drops the same count: its positions, ascending, without a boolean mask (a host sync).
+        dropped = torch.ones_like(scores, dtype=torch.uint8).scatter(1, kept, 0)
+        evicted = dropped.argsort(dim=-1, descending=True, stable=True)[:, : scores.shape[1] - kept.shape[1]]
         keys, values, threshold = merge_evicted(
             _gather(prompt.keys, kept),
             _gather(prompt.values, kept),

@@ -53,12 +53,13 @@ def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, chunk: int 
     kv_heads, length, dim = keys.shape
     q_heads, count = queries.shape[:2]
     expanded = keys.float().repeat_interleave(q_heads // kv_heads, dim=0).transpose(1, 2)
-    sums = torch.zeros(q_heads, length, dtype=torch.float64)
+    sums = torch.zeros(q_heads, length, dtype=torch.float64, device=keys.device)
     first = length - count
     for start in range(0, count, chunk):
         rows = queries[:, start : start + chunk].float() / math.sqrt(dim)
         end = first + start + rows.shape[1]  # keys past the chunk's last query get no weight: left out
-        future = torch.arange(end)[None, :] > torch.arange(first + start, end)[:, None]
+        positions = torch.arange(end, device=keys.device)
+        future = positions[None, :] > positions[first + start :, None]
         weights = (rows @ expanded[..., :end]).masked_fill_(future, float("-inf")).softmax(dim=-1)
         sums[:, :end] += weights.sum(dim=1, dtype=torch.float64)
     return sums
@@ -84,13 +85,13 @@ def new_token_attention(keys: torch.Tensor, lengths: torch.Tensor, queries: torc
     length); ``queries``: [seqs, group, D], the new token's query heads.
     """
     logits = queries.float() @ keys.float().transpose(1, 2) / math.sqrt(keys.shape[-1])
-    padding = torch.arange(keys.shape[1]) >= lengths[:, None]
+    padding = torch.arange(keys.shape[1], device=keys.device) >= lengths[:, None]
     return logits.masked_fill_(padding[:, None, :], float("-inf")).softmax(dim=-1).mean(dim=1, dtype=torch.float64)
 
 
 def add_new_token(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Scores [kv_heads, n] after a new token attended with ``weights`` [kv_heads, n + 1]; it starts at its own."""
-    fresh = torch.zeros(scores.shape[0], 1, dtype=torch.float64)
+    fresh = torch.zeros(scores.shape[0], 1, dtype=torch.float64, device=scores.device)
     return torch.cat([scores, fresh], dim=1) + weights
 
 
@@ -99,7 +100,8 @@ def heavy_hitters(scores: torch.Tensor, budget: int, recent: int, sinks: int = 0
     heads, length = scores.shape
     ranked = scores[:, sinks : length - recent].argsort(dim=-1, descending=True, stable=True)
     best = ranked[:, : budget - recent - sinks] + sinks
-    fixed = torch.cat([torch.arange(sinks), torch.arange(length - recent, length)]).expand(heads, -1)
+    positions = torch.arange(length, device=scores.device)
+    fixed = torch.cat([positions[:sinks], positions[length - recent :]]).expand(heads, -1)
     return torch.cat([best, fixed], dim=1).sort(dim=-1).values
 
 

@@ -46,7 +46,7 @@ def keydiff_block_step(cached_keys: torch.Tensor, block_keys: torch.Tensor, budg
     keys = torch.cat([cached_keys, block_keys], dim=1)
     heads, length, _ = keys.shape
     if length <= budget:
-        return torch.arange(length).expand(heads, -1)
+        return torch.arange(length, device=keys.device).expand(heads, -1)
     ranked = keydiff_scores(keys).argsort(dim=-1, descending=True, stable=True)
     return ranked[:, :budget].sort(dim=-1).values
 

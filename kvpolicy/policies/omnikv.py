@@ -33,16 +33,16 @@ from kvpolicy.policies.base import Policy
 SELECTORS = ("last", "uniform", "exponential")
 
 
-def selector_weights(selector: str, window: int) -> torch.Tensor:
+def selector_weights(selector: str, window: int, device: torch.device) -> torch.Tensor:
     """The window weights alpha of §4.2, oldest query first, float64."""
     if selector == "last":
-        weights = torch.zeros(window, dtype=torch.float64)
+        weights = torch.zeros(window, dtype=torch.float64, device=device)
         weights[-1] = 1.0
         return weights
     if selector == "uniform":
-        return torch.ones(window, dtype=torch.float64)
+        return torch.ones(window, dtype=torch.float64, device=device)
     if selector == "exponential":
-        return 2.0 ** (torch.arange(window, dtype=torch.float64) - window)
+        return 2.0 ** (torch.arange(window, dtype=torch.float64, device=device) - window)
     raise ValueError(f"unknown OmniKV selector {selector!r}; choose one of {', '.join(SELECTORS)}")
 
 
@@ -64,10 +64,10 @@ def context_scores(queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Ten
     grouped = queries.reshape(batch, kv_heads, 1, q_heads // kv_heads * window, dim).to(keys.dtype)
     per_page = grouped @ keys.transpose(-1, -2)  # [batch, kv_heads, pages, group * window, page_size]
     logits = per_page.permute(0, 1, 3, 2, 4).reshape(batch, q_heads, window, width).double() / math.sqrt(dim)
-    query_pos = lengths[:, None] - window + torch.arange(window)[None, :]
-    hidden = torch.arange(width)[None, None, :] > query_pos[:, :, None]
+    query_pos = lengths[:, None] - window + torch.arange(window, device=lengths.device)[None, :]
+    hidden = torch.arange(width, device=lengths.device)[None, None, :] > query_pos[:, :, None]
     weights = logits.masked_fill(hidden[:, None], float("-inf")).softmax(dim=-1)
-    return torch.einsum("w,bwn->bn", selector_weights(selector, window), weights.amax(dim=1))
+    return torch.einsum("w,bwn->bn", selector_weights(selector, window, weights.device), weights.amax(dim=1))
 
 
 def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, budgets: list[int]) -> list[torch.Tensor]:
@@ -75,7 +75,8 @@ def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, bu
 
     ``scores``: [batch, n] token scores (0 past ``lengths``). The best
     ``ceil(budget / page_size)`` pages by summed score, always including the
-    last (current) page; every page when they are not more than that.
+    last (current) page; every page when they are not more than that. The lengths are read on the
+    host (one sync where they are not there already): each row's page count sizes its list.
     """
     pages = scores.new_zeros(scores.shape[0], -(-scores.shape[1] // page_size) * page_size)
     pages[:, : scores.shape[1]] = scores
@@ -85,10 +86,10 @@ def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, bu
         keep = -(-budget // page_size)
         num_pages = -(-length // page_size)
         if num_pages <= keep:
-            chosen.append(torch.arange(num_pages))
+            chosen.append(torch.arange(num_pages, device=scores.device))
             continue
         best = page_scores[row, : num_pages - 1].topk(keep - 1).indices
-        chosen.append(torch.cat([best.sort().values, torch.tensor([num_pages - 1])]))
+        chosen.append(torch.cat([best.sort().values, best.new_full((1,), num_pages - 1)]))
     return chosen
 
 

@@ -139,12 +139,12 @@ def attend_shared(
     """``shared_attention`` from the proximal logits ``own`` (``proximal_logits``), so a caller that
     also needs them (a lowest layer's distant logits, the gate) computes them once."""
     if distant_logits is None:
-        return own.softmax(dim=-1) @ values.float(), torch.zeros(own.shape[0], dtype=torch.bool)
+        return own.softmax(dim=-1) @ values.float(), torch.zeros(own.shape[0], dtype=torch.bool, device=own.device)
     logits = torch.cat([own, distant_logits.float()], dim=-1)
     weights = logits.softmax(dim=-1)
     out = weights[:, : own.shape[1]] @ values.float() + weights[:, own.shape[1] :] @ distant_values.float()
     if tau is None:
-        return out, torch.zeros(own.shape[0], dtype=torch.bool)
+        return out, torch.zeros(own.shape[0], dtype=torch.bool, device=own.device)
     skipped = proximal_gate(own, distant_logits) >= tau
     return torch.where(skipped[:, None], own.softmax(dim=-1) @ values.float(), out), skipped
 
@@ -192,7 +192,8 @@ class PoD(Policy):
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
         """The tokens whose keys a layer that shares scores keeps: the proximal ones."""
         start, end = self.distant_range(prompt.num_tokens)
-        kept = torch.cat([torch.arange(start), torch.arange(end, prompt.num_tokens)])
+        device = prompt.keys.device
+        kept = torch.cat([torch.arange(start, device=device), torch.arange(end, prompt.num_tokens, device=device)])
         return [kept for _ in range(prompt.num_heads)]
 
     def saved_fraction(self, groups: LayerGroups, num_tokens: int) -> float:

@@ -47,8 +47,8 @@ def window_scores(keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel:
     group = q_heads // kv_heads
     expanded = keys.double().repeat_interleave(group, dim=0)
     logits = torch.einsum("hwd,hld->hwl", window_queries.double(), expanded) / math.sqrt(dim)
-    query_pos = torch.arange(length - window, length)
-    future = torch.arange(length)[None, :] > query_pos[:, None]
+    query_pos = torch.arange(length - window, length, device=keys.device)
+    future = torch.arange(length, device=keys.device)[None, :] > query_pos[:, None]
     logits = logits.masked_fill(future[None], float("-inf"))
     weights = logits.softmax(dim=-1)[:, :, : length - window].sum(dim=1)
     pooled = F.max_pool1d(weights[:, None], kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0]
@@ -56,11 +56,15 @@ def window_scores(keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel:
 
 
 def adaptive_counts(scores: torch.Tensor, capacity: int, alpha: float) -> list[int]:
-    """Ada-KV: prefix tokens per head from a layer-wide top-k, with the alpha safeguard."""
+    """Ada-KV: prefix tokens per head from a layer-wide top-k, with the alpha safeguard.
+
+    The counts come back to the host (the layer's one sync: ``heads`` int64): they size each head's
+    kept tensor and so its pages. They are tallied by ``scatter_add_``, not ``bincount``, which syncs
+    on a GPU to size its output."""
     heads, prefix = scores.shape
     ranked = scores.reshape(-1).argsort(descending=True, stable=True)
     winners = ranked[: heads * capacity] // prefix
-    counts = torch.bincount(winners, minlength=heads)
+    counts = winners.new_zeros(heads).scatter_add_(0, winners, torch.ones_like(winners))
     floor = int(capacity * alpha)
     return torch.round(counts * (1 - alpha) + floor).long().tolist()
 
@@ -79,7 +83,7 @@ def pyramid_capacity(capacity: int, prefix_len: int, layer: int, num_layers: int
 def _keep_top(scores: torch.Tensor, counts: list[int], length: int, window: int) -> list[torch.Tensor]:
     """Each head keeps its ``counts[h]`` best prefix tokens and the whole window, ascending."""
     ordered = scores.argsort(dim=-1, descending=True, stable=True)
-    recent = torch.arange(length - window, length)
+    recent = torch.arange(length - window, length, device=scores.device)
     return [torch.cat([ordered[h, :n].sort().values, recent]) for h, n in enumerate(counts)]
 
 

@@ -21,5 +21,7 @@ class StreamingLLM(Policy):
         if prompt.num_tokens <= budget:
             return self.keep_all(prompt)
         sinks = min(self.sink_tokens, budget)
-        kept = torch.cat([torch.arange(sinks), torch.arange(prompt.num_tokens - (budget - sinks), prompt.num_tokens)])
+        device = prompt.keys.device
+        recent = torch.arange(prompt.num_tokens - (budget - sinks), prompt.num_tokens, device=device)
+        kept = torch.cat([torch.arange(sinks, device=device), recent])
         return [kept for _ in range(prompt.num_heads)]
