@@ -162,10 +162,15 @@ class RequestPages:
         write order; the moves read every source before writing.
         """
         src = self.current_slots(layer, keep)
+        return TokenMoves(src, self.allot(layer, [int(kept.numel()) for kept in keep]))
+
+    def allot(self, layer: int, counts: Sequence[int]) -> torch.Tensor:
+        """``relocate``'s destinations alone: head h's new sequence is ``counts[h]`` tokens packed densely
+        from its first page; their slots, concatenated. A caller that holds the kept indices where the cache
+        is takes the sources from ``current_slots`` of every token, read before this call."""
         keys = self._write_keys(self._pool(layer))
         candidates = set(self._held(layer)).union(self.free[self._pool(layer)]).intersection(keys)
         pool = sorted(candidates, key=keys.__getitem__)
-        counts = [int(kept.numel()) for kept in keep]
         needed = [math.ceil(n / self.block_size) for n in counts]
         if sum(needed) > len(pool):
             raise ValueError(f"layer {layer} keeps more tokens than the request's {len(self.order)} writable blocks hold")
@@ -178,7 +183,7 @@ class RequestPages:
         self.free[self._pool(layer)] = pool[cursor:]
         self.relocated[layer] = True
         self._table = None
-        return TokenMoves(src, torch.cat(dst))
+        return torch.cat(dst)
 
     def append(self, count: int = 1) -> np.ndarray:
         """Room for ``count`` new tokens in every (layer, head); returns their slots, [layers, count, heads].

@@ -7,10 +7,16 @@ one pool for every layer, of vLLM's whole KV buffer:
 platform's stock path. After attention, this layer relocates the prompts
 that completed (keeping what the policy keeps), runs eviction passes and
 adds new tokens' attention for policies that accumulate it. All tensor
-work on the cache goes through ``KVOps``; policies see host tensors (a no-op
-on CPU; on a GPU, what they score is copied to the host, once per prompt or
-eviction pass, so ``policies/`` stays plain torch). Positions stay logical (vLLM computes them from
-its own token counts, which relocation never touches).
+work on the cache goes through ``KVOps``. Policies score where the cache is
+(``policies/`` is device-agnostic torch): the K/V they read, the window
+queries stashed for them, the scores they carry and each new token's
+weights stay on the cache's device. Slots go the other way: each read
+takes its tokens' slots from the page table (host) to the device once, and
+relocation picks its move sources out of them there. Only what the page
+table needs comes back: each head's kept count (the length of its kept
+tensor; Ada-KV's per-head counts and D2O's layer budgets are the policies'
+one read-back each). Positions stay logical (vLLM computes them from its own token counts, which
+relocation never touches).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class PerHeadPath:
         """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes;
         after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
-            WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx].cpu())
+            WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx])
         if step.per_head is not None and WORKER_STATE.policy.accumulates_attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
@@ -65,8 +71,8 @@ class PerHeadPath:
             raise RuntimeError("policies that accumulate attention take one new token per request and step")
         batch = per_head.layers[layer_idx]
         heads = kv_cache.shape[1]
-        weights = self.ops.new_token_weights(layer, query, WORKER_STATE.relocated_cache(kv_cache), batch, per_head.rows).cpu()
-        lengths = batch.seq_lens.long()
+        weights = self.ops.new_token_weights(layer, query, WORKER_STATE.relocated_cache(kv_cache), batch, per_head.rows)
+        lengths = batch.seq_lens.long()  # the step's host copy
         for i, req_id in enumerate(per_head.req_ids):
             carried = WORKER_STATE.carried[req_id]
             rows = weights[i * heads : (i + 1) * heads, : int(lengths[i * heads])]
@@ -86,19 +92,19 @@ class PerHeadPath:
                 continue
             queries = None
             if policy.needs_window or policy.needs_queries:
-                queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx].cpu())
-            prompt = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
+                queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
+            prompt, slots = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
             counts = relocation.num_tokens, relocation.num_computed
             if not policy.budgets_across_layers:
-                self._compact(layer, kv_cache, layer_idx, relocation, prompt, relocation.budget, None, *counts)
+                self._compact(layer, kv_cache, layer_idx, relocation, prompt, slots, relocation.budget, None, *counts)
                 continue
             observed = WORKER_STATE.observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
             if layer_idx == num_layers - 1:
                 caches, observations = zip(*(observed[i] for i in range(num_layers)))
                 budgets = policy.layer_budgets(list(observations), relocation.budget)
                 for i, (cache, observation, budget) in enumerate(zip(caches, observations, budgets)):
-                    earlier = prompt if i == layer_idx else self._prompt(layer, cache, i, relocation, None)
-                    self._compact(layer, cache, i, relocation, earlier, budget, observation, *counts)
+                    earlier = (prompt, slots) if i == layer_idx else self._prompt(layer, cache, i, relocation, None)
+                    self._compact(layer, cache, i, relocation, *earlier, budget, observation, *counts)
 
     def _evict(self, layer, kv_cache, layer_idx: int, relocation: Relocation) -> None:
         """An eviction pass: this layer's cache back to its budget, with what the policy carried, if over it."""
@@ -108,7 +114,7 @@ class PerHeadPath:
         budget = carried.budgets[layer_idx]
         if length <= budget:
             return
-        keys, values = self._read(layer, kv_cache, layer_idx, relocation, length)
+        keys, values, slots = self._read(layer, kv_cache, layer_idx, relocation, length, length)
         cache = PromptKV(
             keys,
             layer=layer_idx,
@@ -117,18 +123,25 @@ class PerHeadPath:
             scores=carried.scores[layer_idx],
             threshold=carried.thresholds[layer_idx],
         )
-        self._compact(layer, kv_cache, layer_idx, relocation, cache, budget, None, length, length)
+        self._compact(layer, kv_cache, layer_idx, relocation, cache, slots, budget, None, length, length)
 
-    def _read(self, layer, kv_cache, layer_idx: int, relocation: Relocation, num_tokens: int):
-        """The first ``num_tokens`` of each head of one layer of a request: keys, values, [heads, n, head_dim]."""
+    def _read(self, layer, kv_cache, layer_idx: int, relocation: Relocation, num_tokens: int, num_slots: int):
+        """The first ``num_tokens`` of each head of one layer of a request: keys, values, [heads, n, head_dim],
+        on the cache's device; and the slots of each head's first ``num_slots`` tokens, [heads, num_slots],
+        there too (the sources ``_compact`` moves from: ``num_slots`` covers output a preempted request
+        recomputed past its prompt)."""
         heads = kv_cache.shape[1]
-        slots = relocation.pages.current_slots(layer_idx, [torch.arange(num_tokens)] * heads)
-        keys, values = self.ops.gather(layer, WORKER_STATE.relocated_cache(kv_cache), slots)
-        return keys.view(heads, num_tokens, -1).cpu(), values.view(heads, num_tokens, -1).cpu()
+        slots = relocation.pages.current_slots(layer_idx, [torch.arange(num_slots)] * heads)
+        slots = slots.view(heads, num_slots).to(kv_cache.device, non_blocking=True)
+        read = slots[:, :num_tokens].reshape(-1)
+        keys, values = self.ops.gather(layer, WORKER_STATE.relocated_cache(kv_cache), read)
+        return keys.view(heads, num_tokens, -1), values.view(heads, num_tokens, -1), slots
 
-    def _prompt(self, layer, kv_cache, layer_idx: int, relocation: Relocation, queries) -> PromptKV:
-        """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs."""
-        keys, values = self._read(layer, kv_cache, layer_idx, relocation, relocation.num_tokens)
+    def _prompt(self, layer, kv_cache, layer_idx: int, relocation: Relocation, queries):
+        """The prompt's K/V of one layer, read from the request's pages, with the queries the policy needs;
+        and the slots of its tokens (``_read``)."""
+        counts = relocation.num_tokens, relocation.num_computed
+        keys, values, slots = self._read(layer, kv_cache, layer_idx, relocation, *counts)
         policy = relocation.policy
         column_sums = None
         if policy.accumulates_attention and queries is not None:
@@ -137,7 +150,7 @@ class PerHeadPath:
             if queries.shape[1]:
                 from_queries = self.ops.prompt_column_sums(keys, queries)
                 column_sums = from_queries if column_sums is None else column_sums + from_queries
-        return PromptKV(
+        prompt = PromptKV(
             keys,
             window_queries=queries if policy.needs_window else None,
             layer=layer_idx,
@@ -147,30 +160,38 @@ class PerHeadPath:
             column_sums=column_sums,
             heads=WORKER_STATE.head_group,
         )
+        return prompt, slots
 
-    def _compact(self, layer, kv_cache, layer_idx, relocation, prompt, budget, observation, num_tokens, num_computed):
+    def _compact(self, layer, kv_cache, layer_idx, relocation, prompt, slots, budget, observation, num_tokens,
+                 num_computed):
         """Pack what the policy keeps of one layer into per-head pages; write back K/V it rewrote.
 
         The policy chooses among the first ``num_tokens``; the rest, up to
-        ``num_computed``, are kept. A policy that evicts in decode carries
-        the layer's budget, scores and threshold to its next pass.
+        ``num_computed``, are kept. ``slots`` [heads, num_computed]: where
+        each head's tokens sit now (``_read``), so the move sources are
+        picked on the cache's device and only the kept counts reach the page
+        table. A policy that evicts in decode carries the layer's budget,
+        scores and threshold to its next pass.
         """
         heads, head_size = kv_cache.shape[1], kv_cache.shape[-1] // 2
         pages = relocation.pages
         policy = relocation.policy
         result = policy.compress(prompt, budget, observation)
-        generated = torch.arange(num_tokens, num_computed)
-        moves = pages.relocate(layer_idx, [torch.cat([kept, generated]) for kept in result.kept])
+        generated = torch.arange(num_tokens, num_computed, device=slots.device)
+        kept = [torch.cat([chosen, generated]) for chosen in result.kept]
+        src = torch.cat([head_slots[positions] for head_slots, positions in zip(slots, kept)])
+        dst = pages.allot(layer_idx, [positions.numel() for positions in kept])
         cache = WORKER_STATE.relocated_cache(kv_cache)
-        self.ops.move(layer, cache, moves.src, moves.dst)
+        self.ops.move(layer, cache, src, dst)
         if result.keys is not None:
-            slots = pages.current_slots(layer_idx, [torch.arange(kept.numel()) for kept in result.kept])
-            self.ops.scatter(layer, cache, slots, result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size))
+            rewritten = pages.current_slots(layer_idx, [torch.arange(chosen.numel()) for chosen in result.kept])
+            keys, values = result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size)
+            self.ops.scatter(layer, cache, rewritten, keys, values)
         if policy.evicts_in_decode:
             carried = WORKER_STATE.carried.setdefault(relocation.req_id, CarriedState.empty(pages.num_layers))
             carried.budgets[layer_idx] = budget
             if result.scores is not None:
                 # Output recomputed after a preemption has no scores yet.
-                unseen = torch.zeros(heads, generated.numel(), dtype=torch.float64)
+                unseen = torch.zeros(heads, generated.numel(), dtype=torch.float64, device=result.scores.device)
                 carried.scores[layer_idx] = torch.cat([result.scores, unseen], dim=1)
             carried.thresholds[layer_idx] = result.threshold

@@ -169,10 +169,12 @@ class WorkerState:
         return self.family[name]
 
     def stash_window(self, req_id: str, layer: int, queries: torch.Tensor) -> None:
+        """Keep a chunk's window queries [tokens, q_heads, head_dim] (a copy: the step's query buffer is
+        reused) where they are, on the cache's device: the policy scores them there."""
         self.window_queries.setdefault(req_id, {}).setdefault(layer, []).append(queries)
 
     def take_window(self, req_id: str, layer: int, last: torch.Tensor) -> torch.Tensor:
-        """All window queries of a prompt for one layer, [q_heads, window, head_dim]."""
+        """All window queries of a prompt for one layer, [q_heads, window, head_dim], on their device."""
         earlier = self.window_queries.get(req_id, {}).pop(layer, [])
         return torch.cat([*earlier, last]).transpose(0, 1)
 
