@@ -30,6 +30,13 @@ from kvpolicy.vllm.state import WORKER_STATE, CarriedState
 from kvpolicy.vllm.step import PerHeadBatch, RelocatingStep, Relocation
 
 
+def _rows(query: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
+    """A copy of the query rows at the step's host indices, where the queries are; the indices go there
+    without waiting (indexing with host indices copies them over with a blocking copy, which waits for
+    the stream)."""
+    return query[token_idx.to(query.device, non_blocking=True)]
+
+
 class PerHeadPath:
     def __init__(self, ops: KVOps):
         self.ops = ops
@@ -54,7 +61,7 @@ class PerHeadPath:
         """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes;
         after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
-            WORKER_STATE.stash_window(stash.req_id, layer_idx, query[stash.token_idx])
+            WORKER_STATE.stash_window(stash.req_id, layer_idx, _rows(query, stash.token_idx))
         if step.per_head is not None and WORKER_STATE.policy.accumulates_attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
@@ -92,7 +99,7 @@ class PerHeadPath:
                 continue
             queries = None
             if policy.needs_window or policy.needs_queries:
-                queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, query[relocation.window_idx])
+                queries = WORKER_STATE.take_window(relocation.req_id, layer_idx, _rows(query, relocation.window_idx))
             prompt, slots = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
             counts = relocation.num_tokens, relocation.num_computed
             if not policy.budgets_across_layers:
