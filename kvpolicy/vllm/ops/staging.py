@@ -56,6 +56,7 @@ class StagedStep:
         #: storage address -> (first host byte staged, its offset in the device buffer); the host
         #: tensors stay referenced so their storages (and so the addresses) live as long as the step.
         self.regions: dict[int, tuple[int, int]] = {}
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id -> (tensor, its view)
         self._sources = [tensor for tensor, _, _ in extents.values()]
         total = 0
         for address, (_, first, end) in extents.items():
@@ -69,7 +70,16 @@ class StagedStep:
         self.buffer = copy_to(self.device, [host])[0] if total else host.to(self.device)
 
     def on(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """``tensor``'s view of the staged copy; None when its storage was not staged with the step."""
+        """``tensor``'s view of the staged copy; None when its storage was not staged with the step.
+        Made once per tensor object: every layer asks for the same rows and calls."""
+        known = self._views.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1]
+        view = self._view(tensor)
+        self._views[id(tensor)] = (tensor, view)
+        return view
+
+    def _view(self, tensor: torch.Tensor) -> torch.Tensor | None:
         region = self.regions.get(tensor.untyped_storage().data_ptr())
         if region is None or not tensor.numel():
             return None
