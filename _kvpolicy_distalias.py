@@ -46,7 +46,7 @@ class _AliasFinder(DistributionFinder):
     def find_spec(self, *args, **kwargs):
         return None
 
-    def find_distributions(self, context=DistributionFinder.Context()):
+    def find_distributions(self, context=DistributionFinder.Context()):  # noqa: B008 (importlib's own signature)
         target = ALIASES.get((context.name or "").lower().replace("-", "_"))
         if target is None:
             return iter(())

@@ -32,12 +32,16 @@ def haystack_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 def passkey_prompts(tokenizer, depths: list[float], length: int, question: str = QUESTION) -> list[dict]:
     """Haystack prompts of ``length`` tokens, the key sentence at each depth, the question at the end."""
     rng = random.Random(0)
-    intro = tokenizer("There is a pass key hidden in the text below. Find it and remember it.\n\n", add_special_tokens=False)["input_ids"]
+    intro = tokenizer(
+        "There is a pass key hidden in the text below. Find it and remember it.\n\n", add_special_tokens=False
+    )["input_ids"]
     question = tokenizer(question, add_special_tokens=False)["input_ids"]
     items = []
     for depth in depths:
         key = str(rng.randrange(10000, 100000))
-        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)["input_ids"]
+        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)[
+            "input_ids"
+        ]
         filler = haystack_prompts(tokenizer, [length - len(intro) - len(needle) - len(question)])[0]
         at = round(depth * len(filler))
         items.append({"depth": depth, "key": key, "ids": intro + filler[:at] + needle + filler[at:] + question})

@@ -58,7 +58,18 @@ CUDA_CONFIGS = {
     "adasnap+cuda-graphs": {"args": ["--policy", "adasnap", "--budget", BUDGET, "--cuda-graphs"]},
     "pod": {"args": ["--policy", "pod"], "refused": "runs on vLLM's CPU platform"},
     "omnikv+offload": {
-        "args": ["--policy", "omnikv", "--budget", BUDGET, "--filter-layers", "0", "--dense-layers", "0", "--offload", "1"],
+        "args": [
+            "--policy",
+            "omnikv",
+            "--budget",
+            BUDGET,
+            "--filter-layers",
+            "0",
+            "--dense-layers",
+            "0",
+            "--offload",
+            "1",
+        ],
         "refused": "--kv-offload is not available on CUDA",
     },
 }
@@ -86,8 +97,12 @@ def run_config(name: str, args: list[str], model: str, work: Path) -> dict:
     out = work / f"{name}.json"
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, str(ENGINE_RUN), "--model", model, *args, "--out", str(out)],
-                              capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, str(ENGINE_RUN), "--model", model, *args, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=ENGINE_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as exc:
         return {"args": args, "rc": "timeout", "wall_s": ENGINE_TIMEOUT_S, "error_tail": str(exc.stderr or "")[-3000:]}
     record = {"args": args, "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 1)}
@@ -105,8 +120,25 @@ def check_server(model: str) -> dict:
 
     from kvpolicy.sample_text import haystack_text
 
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--kv-policy", "adasnap", "--kv-budget", BUDGET,
-           "--block-size", "32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.1", "--port", str(SERVER_PORT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--kv-policy",
+        "adasnap",
+        "--kv-budget",
+        BUDGET,
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "2048",
+        "--gpu-memory-utilization",
+        "0.1",
+        "--port",
+        str(SERVER_PORT),
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{SERVER_PORT}"
     try:
@@ -123,10 +155,18 @@ def check_server(model: str) -> dict:
         prompt = haystack_text()[:6000]
         reply = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0.0)
         metrics = requests.get(f"{base}/metrics", timeout=5).text
-        counters = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith("vllm:kvpolicy_") and not line.startswith("#")}
-        return {"ok": True, "prompt_tokens": reply.usage.prompt_tokens, "completion_tokens": reply.usage.completion_tokens,
-                "text": reply.choices[0].text, "kvpolicy_metrics": counters}
+        counters = {
+            line.split()[0]: float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("vllm:kvpolicy_") and not line.startswith("#")
+        }
+        return {
+            "ok": True,
+            "prompt_tokens": reply.usage.prompt_tokens,
+            "completion_tokens": reply.usage.completion_tokens,
+            "text": reply.choices[0].text,
+            "kvpolicy_metrics": counters,
+        }
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -140,10 +180,18 @@ def run(args) -> None:
     jobs = {name: [*cfg, *COMMON, *(GPU_SHARE if on_cuda else [])] for name, cfg in CONFIGS.items()}
     if on_cuda:
         jobs |= {name: [*cfg["args"], *COMMON, *GPU_SHARE] for name, cfg in CUDA_CONFIGS.items()}
-    payload = {**provenance(sys.argv), "device": torch.cuda.get_device_name() if on_cuda else "cpu",
-               "model": MODEL_SHAPE, "weights_sha256": weights, "configs": {}}
-    with tempfile.TemporaryDirectory(prefix="cuda_engine.") as work, ThreadPoolExecutor(args.jobs) as pool, \
-            tqdm(total=len(jobs), desc="engines") as bar:
+    payload = {
+        **provenance(sys.argv),
+        "device": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "model": MODEL_SHAPE,
+        "weights_sha256": weights,
+        "configs": {},
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="cuda_engine.") as work,
+        ThreadPoolExecutor(args.jobs) as pool,
+        tqdm(total=len(jobs), desc="engines") as bar,
+    ):
         futures = {pool.submit(run_config, name, cfg, model, Path(work)): name for name, cfg in jobs.items()}
         for future in as_completed(futures):
             name, record = futures[future], future.result()
@@ -195,22 +243,33 @@ def compare(args) -> None:
             row["blocks_free"] = result["kv_cache_usage_end"] == 0.0
             if c.get("rc") == 0:
                 same, worst = compare_requests(result["requests"], c["result"]["requests"])
-                row |= {"same_tokens": f"{same}/{len(result['requests'])}", "max_logprob_diff": worst,
-                        "counters_equal": totals(result["counters"]) == totals(c["result"]["counters"])}
+                row |= {
+                    "same_tokens": f"{same}/{len(result['requests'])}",
+                    "max_logprob_diff": worst,
+                    "counters_equal": totals(result["counters"]) == totals(c["result"]["counters"]),
+                }
             row.setdefault("note", f"kvpolicy ops: {result['ops']}" if result["ops"] else "stock vLLM")
         rows.append(row)
     stock, none = (gpu["configs"][name].get("result") for name in ("stock", "none"))
     same, worst = compare_requests(stock["requests"], none["requests"])
-    none_vs_stock = {"bitwise": stock["requests"] == none["requests"], "same_tokens": f"{same}/{len(stock['requests'])}",
-                     "max_logprob_diff": worst}
+    none_vs_stock = {
+        "bitwise": stock["requests"] == none["requests"],
+        "same_tokens": f"{same}/{len(stock['requests'])}",
+        "max_logprob_diff": worst,
+    }
     table = markdown_table(rows, COLUMNS)
     print(table)
     print(f"\nCUDA: --kv-policy none against stock vLLM: {none_vs_stock}")
     print("CUDA: OpenAI server:", json.dumps(gpu.get("server")))
-    summary = {"gpu": {k: gpu[k] for k in ("command", "machine", "versions", "device")},
-               "cpu": {k: cpu[k] for k in ("command", "machine", "versions")},
-               "model": gpu["model"], "weights_sha256": gpu["weights_sha256"],
-               "none_vs_stock_on_cuda": none_vs_stock, "server": gpu.get("server"), "rows": rows}
+    summary = {
+        "gpu": {k: gpu[k] for k in ("command", "machine", "versions", "device")},
+        "cpu": {k: cpu[k] for k in ("command", "machine", "versions")},
+        "model": gpu["model"],
+        "weights_sha256": gpu["weights_sha256"],
+        "none_vs_stock_on_cuda": none_vs_stock,
+        "server": gpu.get("server"),
+        "rows": rows,
+    }
     write_json(RESULTS_DIR / "cuda_engine.json", summary)
     (RESULTS_DIR / "cuda_engine.md").write_text(table + "\n")
 

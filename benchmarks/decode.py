@@ -53,8 +53,16 @@ OFFLOAD = "omnikv --kv-offload"
 #: Pages the sparse layers read, and the context pages they chose from (omnikv's counters).
 PAGE_COUNTERS = ("vllm:kvpolicy_selected_pages", "vllm:kvpolicy_context_pages")
 COLUMNS = [
-    "policy", "budget", "context", "batch", "decode_tokens_per_s", "ms_per_token", "needle_correct",
-    "same_answers", "pages_read", "blocks_held",
+    "policy",
+    "budget",
+    "context",
+    "batch",
+    "decode_tokens_per_s",
+    "ms_per_token",
+    "needle_correct",
+    "same_answers",
+    "pages_read",
+    "blocks_held",
 ]
 
 
@@ -91,9 +99,15 @@ def decode(llm, prompts: list[dict], budget: int, tag: str) -> tuple[list[dict],
         after = [metric_total(metrics, name) for name in PAGE_COUNTERS]
         selected, context = (a - b for a, b in zip(after, before))
         ms = 1000 * statistics.median(times)
-        rows.append({"batch": batch, "ms_per_token": ms, "decode_tokens_per_s": 1000 * batch / ms,
-                     "pages_read": selected / context if context else 1.0,
-                     "blocks_held": round(metric_total(metrics, "vllm:kv_cache_usage_perc") * num_blocks)})
+        rows.append(
+            {
+                "batch": batch,
+                "ms_per_token": ms,
+                "decode_tokens_per_s": 1000 * batch / ms,
+                "pages_read": selected / context if context else 1.0,
+                "blocks_held": round(metric_total(metrics, "vllm:kv_cache_usage_perc") * num_blocks),
+            }
+        )
         if batch > 1:
             while min(lengths.values()) < ANSWER_TOKENS:
                 step()
@@ -116,6 +130,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+
     def label(row: dict) -> str:
         return row["policy"] + (f"@{row['budget']}" if row["budget"] else "")
 
@@ -136,17 +151,25 @@ def run_engine(args) -> dict:
     """One engine, in this process: the rows of every (context, budget) it serves, and its settings."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # steps timed here, not across a process boundary
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
-    import kvpolicy.vllm  # noqa: F401
     from tqdm import tqdm
     from vllm import LLM
 
+    import kvpolicy.vllm  # noqa: F401
     from kvpolicy.model import prepare
 
     offload = args.engine == "offload"
     llm = LLM(
-        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-        enable_prefix_caching=not offload, kv_cache_memory_bytes=4 << 30, max_num_seqs=len(DEPTHS), seed=0,
-        disable_log_stats=False, kv_policy="omnikv", kv_budget=max(args.budgets),
+        str(prepare()),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=not offload,
+        kv_cache_memory_bytes=4 << 30,
+        max_num_seqs=len(DEPTHS),
+        seed=0,
+        disable_log_stats=False,
+        kv_policy="omnikv",
+        kv_budget=max(args.budgets),
         **({"kv_offload": HOST_GIB} if offload else {}),
         **({"kv_filter_layers": tuple(map(int, args.filter_layers.split(",")))} if args.filter_layers else {}),
     )
@@ -161,11 +184,20 @@ def run_engine(args) -> dict:
         needle = sum(item["key"] in answer for item, answer in zip(prompts, answers)) / len(prompts)
         policy = OFFLOAD if offload else "omnikv" if budget else "full cache"
         for row in timing:
-            rows.append({"policy": policy, "budget": budget, "context": context, **row,
-                         "needle_correct": needle, "answers": answers})
+            rows.append(
+                {
+                    "policy": policy,
+                    "budget": budget,
+                    "context": context,
+                    **row,
+                    "needle_correct": needle,
+                    "answers": answers,
+                }
+            )
     config = llm.llm_engine.vllm_config.additional_config["kv_policy"]
     settings = {
-        "filter_layers": list(config["filter_layers"]), "dense_layers": config["dense_layers"],
+        "filter_layers": list(config["filter_layers"]),
+        "dense_layers": config["dense_layers"],
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
     }
     return {"rows": rows, "settings": settings}
@@ -176,7 +208,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="contexts 4K and 7.6K, budget 1024")
     parser.add_argument("--contexts", nargs="+", type=int, default=None)
     parser.add_argument("--budgets", nargs="+", type=int, default=None, help="omnikv tokens per sparse layer")
-    parser.add_argument("--filter-layers", default=None, help="omnikv filter layers, e.g. 2 (default: the calibrated ones)")
+    parser.add_argument(
+        "--filter-layers", default=None, help="omnikv filter layers, e.g. 2 (default: the calibrated ones)"
+    )
     parser.add_argument("--no-offload", action="store_true", help="skip the --kv-offload engine")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "decode.json")
     parser.add_argument("--engine", choices=("cached", "offload"), help=argparse.SUPPRESS)
@@ -191,8 +225,18 @@ def main() -> int:
     rows, settings = [], {}
     engine_out = args.out.with_suffix(".engine.tmp")
     for engine in ["cached"] if args.no_offload else ["cached", "offload"]:
-        cmd = [sys.executable, __file__, "--engine", engine, "--engine-out", str(engine_out),
-               "--contexts", *map(str, args.contexts), "--budgets", *map(str, args.budgets)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--engine",
+            engine,
+            "--engine-out",
+            str(engine_out),
+            "--contexts",
+            *map(str, args.contexts),
+            "--budgets",
+            *map(str, args.budgets),
+        ]
         if args.filter_layers:
             cmd += ["--filter-layers", args.filter_layers]
         if subprocess.run(cmd).returncode != 0:
@@ -206,8 +250,15 @@ def main() -> int:
     for row in rows:
         full = full_answers[row["context"]]
         row["same_answers"] = sum(a == b for a, b in zip(row["answers"], full)) / len(full)
-    settings = {"contexts": args.contexts, "budgets": args.budgets, "depths": DEPTHS, "steps": STEPS,
-                "quick": args.quick, "host_gib": None if args.no_offload else HOST_GIB, **settings}
+    settings = {
+        "contexts": args.contexts,
+        "budgets": args.budgets,
+        "depths": DEPTHS,
+        "steps": STEPS,
+        "quick": args.quick,
+        "host_gib": None if args.no_offload else HOST_GIB,
+        **settings,
+    }
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
 

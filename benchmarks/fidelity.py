@@ -39,7 +39,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR, haystack_prompts, model_folder, passkey_prompts, policy_options, write_results,
+    RESULTS_DIR,
+    haystack_prompts,
+    model_folder,
+    passkey_prompts,
+    policy_options,
+    write_results,
 )
 
 #: ``name`` or ``name:option=value`` (``common.policy_options``).
@@ -62,10 +67,11 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
     """One engine, in this process: continuations (forced when a reference is given) and passkey answers,
     once per budget (once with none for stock and for a policy that takes no budget)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the logits processor class is defined here
-    import kvpolicy.vllm  # noqa: F401
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    import kvpolicy.vllm  # noqa: F401
 
     class ForceTokens(AdapterLogitsProcessor):
         """Teacher forcing: the request's ``force_token_ids`` are sampled, whatever the model prefers."""
@@ -88,9 +94,17 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
 
     stock = policy == "stock"
     llm = LLM(
-        model_folder(model), dtype="float32", enforce_eager=True, max_model_len=4200, enable_prefix_caching=False,
-        max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0, logits_processors=[ForceTokens],
-        **({} if stock else policy_options(policy)), **({"kv_budget": max(budgets)} if budgets else {}),
+        model_folder(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4200,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=PREFILL_CHUNK,
+        kv_cache_memory_bytes=2 << 30,
+        seed=0,
+        logits_processors=[ForceTokens],
+        **({} if stock else policy_options(policy)),
+        **({"kv_budget": max(budgets)} if budgets else {}),
     )
     prompts, params, keys = [], [], []
     for budget in budgets or [None]:
@@ -98,10 +112,15 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
         for i, ids in enumerate(tasks["fidelity"]):
             forced = None if stock else {FORCE_KEY: tasks["reference"][i]}
             prompts.append(ids)
-            params.append(SamplingParams(
-                max_tokens=CONTINUATION, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS,
-                extra_args={**extra, **(forced or {})} or None,
-            ))
+            params.append(
+                SamplingParams(
+                    max_tokens=CONTINUATION,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    logprobs=TOP_LOGPROBS,
+                    extra_args={**extra, **(forced or {})} or None,
+                )
+            )
             keys.append(("fidelity", budget, i))
         for i, item in enumerate(tasks["passkey"]):
             prompts.append(item["ids"])
@@ -109,11 +128,13 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
             keys.append(("passkey", budget, i))
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=True)
     results: dict = {"fidelity": {}, "passkey": {}}
-    for (kind, budget, i), output in zip(keys, outputs):
+    for (kind, budget, _), output in zip(keys, outputs):
         completion = output.outputs[0]
         if kind == "fidelity":
             steps = [{str(t): [lp.logprob, lp.rank] for t, lp in step.items()} for step in completion.logprobs]
-            results["fidelity"].setdefault(str(budget), []).append({"token_ids": list(completion.token_ids), "logprobs": steps})
+            results["fidelity"].setdefault(str(budget), []).append(
+                {"token_ids": list(completion.token_ids), "logprobs": steps}
+            )
         else:
             results["passkey"].setdefault(str(budget), []).append(completion.text)
     return results
@@ -162,7 +183,12 @@ def plot(rows: list[dict], path: Path) -> None:
             if subset:
                 ax.plot([r["budget"] for r in subset], [r[name] for r in subset], marker="o", label=policy)
             else:
-                ax.axhline(next(r[name] for r in rows if r["policy"] == policy), color="k" if policy == "full cache" else None, ls="--", label=policy)
+                ax.axhline(
+                    next(r[name] for r in rows if r["policy"] == policy),
+                    color="k" if policy == "full cache" else None,
+                    ls="--",
+                    label=policy,
+                )
         ax.set_xlabel("budget (tokens per KV head)")
         ax.set_title(name)
         ax.set_xscale("log", base=2)
@@ -175,13 +201,20 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 prompts, budget 256, passkey at 50%%, 4 policies")
-    parser.add_argument("--policies", nargs="+", default=None,
-                        help=f"default: all and the ablation (quick: {' '.join(QUICK_POLICIES)})")
+    parser.add_argument(
+        "--policies", nargs="+", default=None, help=f"default: all and the ablation (quick: {' '.join(QUICK_POLICIES)})"
+    )
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None, help="fidelity prompts (quick 2, full 20)")
     parser.add_argument("--depths", nargs="+", type=float, default=None, help="passkey depths (quick 0.5, full 5)")
-    parser.add_argument("--out", type=Path, default=None, help="default: results/fidelity.json (quick: fidelity_quick.json)")
-    parser.add_argument("--model", default=None, help="HF model folder, full cache included (default: the prepared SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: results/fidelity.json (quick: fidelity_quick.json)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder, full cache included (default: the prepared SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--run-one", nargs=3, metavar=("TASKS", "POLICY", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--run-budgets", nargs="+", type=int, default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -204,7 +237,10 @@ def main() -> int:
     depths = args.depths or ([0.5] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
     tokenizer = AutoTokenizer.from_pretrained(model_folder(args.model))
     lengths = [round(2048 + i * (4000 - 2048) / max(count - 1, 1)) for i in range(count)]
-    tasks = {"fidelity": haystack_prompts(tokenizer, lengths), "passkey": passkey_prompts(tokenizer, depths, PASSKEY_LEN)}
+    tasks = {
+        "fidelity": haystack_prompts(tokenizer, lengths),
+        "passkey": passkey_prompts(tokenizer, depths, PASSKEY_LEN),
+    }
 
     work = out.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
@@ -220,8 +256,9 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--run-one", str(tasks_path), policy, str(cached)]
         if args.model:
             cmd += ["--model", args.model]
-        proc = subprocess.run(cmd + ["--run-budgets", *map(str, run_budgets)] if run_budgets else cmd,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            cmd + ["--run-budgets", *map(str, run_budgets)] if run_budgets else cmd, capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise SystemExit(f"{policy} failed:\n{proc.stderr[-3000:]}")
         return json.loads(cached.read_text())
@@ -232,23 +269,40 @@ def main() -> int:
         progress.update()
         reference = full["fidelity"]["None"]
         tasks["reference"] = [r["token_ids"] for r in reference]
-        rows.append({"policy": "full cache", "budget": None, "top1_agreement": 1.0, "mean_kl": 0.0,
-                     **passkey_row(full["passkey"]["None"], tasks["passkey"])})
+        rows.append(
+            {
+                "policy": "full cache",
+                "budget": None,
+                "top1_agreement": 1.0,
+                "mean_kl": 0.0,
+                **passkey_row(full["passkey"]["None"], tasks["passkey"]),
+            }
+        )
         for policy in policies:
             policy_budgets = budgets if POLICIES[policy.partition(":")[0]].needs_budget else []
             result = engine(policy, policy_budgets)
             progress.update()
             for budget in policy_budgets or [None]:
-                rows.append({"policy": policy, "budget": budget,
-                             **fidelity_row(reference, result["fidelity"][str(budget)]),
-                             **passkey_row(result["passkey"][str(budget)], tasks["passkey"])})
+                rows.append(
+                    {
+                        "policy": policy,
+                        "budget": budget,
+                        **fidelity_row(reference, result["fidelity"][str(budget)]),
+                        **passkey_row(result["passkey"][str(budget)], tasks["passkey"]),
+                    }
+                )
     for path in work.iterdir():
         path.unlink()
     work.rmdir()
 
     settings = {
-        "prompt_lens": lengths, "continuation": CONTINUATION, "top_logprobs": TOP_LOGPROBS,
-        "passkey_len": PASSKEY_LEN, "passkey_depths": depths, "prefill_chunk": PREFILL_CHUNK, "quick": args.quick,
+        "prompt_lens": lengths,
+        "continuation": CONTINUATION,
+        "top_logprobs": TOP_LOGPROBS,
+        "passkey_len": PASSKEY_LEN,
+        "passkey_depths": depths,
+        "prefill_chunk": PREFILL_CHUNK,
+        "quick": args.quick,
         "model": args.model or "SmolLM2-135M-Instruct (kvpolicy-model)",
     }
     write_results(out, settings, rows, COLUMNS, plot)

@@ -26,9 +26,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,19 @@ Q_HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 GROUP, SCALE = Q_HEADS // KV_HEADS, 1 / math.sqrt(HEAD_SIZE)
 PEAK_GBPS = 3350
 ELEMENT = torch.tensor([], dtype=DTYPE).element_size()
-COLUMNS = ["kernel", "shape", "triton_ms", "torch_ms", "torch_baseline", "speedup", "GB/s", "% peak",
-           "fa3_ms", "fa3_kernel_ms", "fa3_ok"]
+COLUMNS = [
+    "kernel",
+    "shape",
+    "triton_ms",
+    "torch_ms",
+    "torch_baseline",
+    "speedup",
+    "GB/s",
+    "% peak",
+    "fa3_ms",
+    "fa3_kernel_ms",
+    "fa3_ok",
+]
 #: Milliseconds of timed calls per case (triton.testing.do_bench's ``rep``).
 BENCH_MS = {"quick": 25, "full": 200}
 #: Query tokens per KV head at each end of a prompt whose FlashAttention output is checked against the loop reference.
@@ -58,7 +70,7 @@ class Case:
     kernel: str
     shape: str
     baseline: str
-    setup: Callable[[], "Calls | tuple[Callable, Callable, int]"]
+    setup: Callable[[], Calls | tuple[Callable, Callable, int]]
 
 
 @dataclass(frozen=True)
@@ -119,8 +131,11 @@ def decode_case(requests: int, length: int, ragged: bool = False) -> Case:
     def setup():
         seqs = requests * KV_HEADS
         generator = torch.Generator().manual_seed(1)
-        lengths = (torch.randint(length // 4, 7 * length // 4, (seqs,), generator=generator).tolist()
-                   if ragged else [length] * seqs)
+        lengths = (
+            torch.randint(length // 4, 7 * length // 4, (seqs,), generator=generator).tolist()
+            if ragged
+            else [length] * seqs
+        )
         cache, geom, table, seq_lens = paged(lengths)
         query = torch.randn(requests, Q_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
         out = torch.empty_like(query)
@@ -163,9 +178,20 @@ def flash_run(query, cache, geom, token, head, starts, seq_lens, table) -> Flash
     result, out = torch.empty_like(queries), torch.empty_like(query)
 
     def kernel(q=queries):
-        flash_attn_varlen_func(q, pages.key, pages.value, call.max_seqlen_q, call.cu_seqlens_q, call.max_seqlen_k,
-                               seqused_k=call.seqused_k, softmax_scale=SCALE, causal=True,
-                               block_table=call.block_table, out=result, fa_version=3)
+        flash_attn_varlen_func(
+            q,
+            pages.key,
+            pages.value,
+            call.max_seqlen_q,
+            call.cu_seqlens_q,
+            call.max_seqlen_k,
+            seqused_k=call.seqused_k,
+            softmax_scale=SCALE,
+            causal=True,
+            block_table=call.block_table,
+            out=result,
+            fa_version=3,
+        )
 
     def attend():
         kernel(call.queries(query, KV_HEADS))
@@ -181,8 +207,19 @@ def flash_run(query, cache, geom, token, head, starts, seq_lens, table) -> Flash
         sample_starts = torch.arange(2 * KV_HEADS + 1, device=device) * CHECKED_TOKENS
         prefix_and_whole = torch.tensor([CHECKED_TOKENS, length], device=device).repeat(KV_HEADS)
         want = torch.zeros_like(query)
-        kt.paged_attention_reference(query, want, cache, geom, sample_token, sample_head, sample_starts,
-                                     prefix_and_whole, table.repeat_interleave(2, dim=0), SCALE, KV_HEADS)
+        kt.paged_attention_reference(
+            query,
+            want,
+            cache,
+            geom,
+            sample_token,
+            sample_head,
+            sample_starts,
+            prefix_and_whole,
+            table.repeat_interleave(2, dim=0),
+            SCALE,
+            KV_HEADS,
+        )
         got, expected = [t.unflatten(1, (KV_HEADS, -1))[sample_token, sample_head].float() for t in (out, want)]
         return float((got - expected).abs().max()), torch.allclose(got, expected, **TOLERANCE[DTYPE])
 
@@ -228,8 +265,9 @@ def new_token_weights_case(requests: int, length: int) -> Case:
         seq = torch.arange(requests * KV_HEADS, device="cuda")
         keys, _ = dense_kv(requests, length)
         return (
-            lambda: kt.new_token_weights(query, cache, geom, seq // KV_HEADS, seq % KV_HEADS, table, seq_lens,
-                                         SCALE, KV_HEADS),
+            lambda: kt.new_token_weights(
+                query, cache, geom, seq // KV_HEADS, seq % KV_HEADS, table, seq_lens, SCALE, KV_HEADS
+            ),
             lambda: dense_weights(query, keys).view(requests, KV_HEADS, GROUP, -1).mean(dim=2),
             requests * KV_HEADS * length * HEAD_SIZE * ELEMENT,
         )
@@ -314,8 +352,9 @@ def move_case(length: int, kept: int) -> Case:
     def setup():
         cache, geom, table, _ = paged([length] * KV_HEADS)
         generator = torch.Generator().manual_seed(2)
-        positions = torch.stack([torch.randperm(length, generator=generator)[:kept].sort().values
-                                 for _ in range(KV_HEADS)]).cuda()
+        positions = torch.stack(
+            [torch.randperm(length, generator=generator)[:kept].sort().values for _ in range(KV_HEADS)]
+        ).cuda()
         slot = lambda p: (table.gather(1, p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE).flatten()  # noqa: E731
         src, dst = slot(positions), slot(torch.arange(kept, device="cuda").expand(KV_HEADS, -1))
         return (
@@ -345,16 +384,28 @@ CASES = [
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    series = [("kvpolicy Triton kernel", [r["triton_ms"] for r in rows]), ("torch baseline", [r["torch_ms"] for r in rows])]
+    series = [
+        ("kvpolicy Triton kernel", [r["triton_ms"] for r in rows]),
+        ("torch baseline", [r["torch_ms"] for r in rows]),
+    ]
     if any(r.get("fa3_ms") for r in rows):
         series.append(("FlashAttention 3, paged varlen", [r.get("fa3_ms") or math.nan for r in rows]))
-    plot_timings(path, [f"{r['kernel']}\n{r['shape']}" for r in rows], series,
-                 "ms per call (median, CUDA events), log scale", torch.cuda.get_device_name())
+    plot_timings(
+        path,
+        [f"{r['kernel']}\n{r['shape']}" for r in rows],
+        series,
+        "ms per call (median, CUDA events), log scale",
+        torch.cuda.get_device_name(),
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"{BENCH_MS['quick']} ms of timed calls per case instead of {BENCH_MS['full']}")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{BENCH_MS['quick']} ms of timed calls per case instead of {BENCH_MS['full']}",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_kernels.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -368,16 +419,26 @@ def main() -> int:
         triton_ms = do_bench(calls.triton, rep=bench_ms, return_mode="median")
         torch_ms = do_bench(calls.torch, rep=bench_ms, return_mode="median")
         gbps = calls.cache_bytes / triton_ms / 1e6
-        row = {"kernel": case.kernel, "shape": case.shape, "triton_ms": triton_ms, "torch_ms": torch_ms,
-               "torch_baseline": case.baseline, "speedup": torch_ms / triton_ms, "GB/s": gbps,
-               "% peak": 100 * gbps / PEAK_GBPS}
+        row = {
+            "kernel": case.kernel,
+            "shape": case.shape,
+            "triton_ms": triton_ms,
+            "torch_ms": torch_ms,
+            "torch_baseline": case.baseline,
+            "speedup": torch_ms / triton_ms,
+            "GB/s": gbps,
+            "% peak": 100 * gbps / PEAK_GBPS,
+        }
         flash = calls.flash
         if isinstance(flash, FlashRun):
             try:
                 max_error, ok = flash.check()
-                row.update(fa3_ms=do_bench(flash.attend, rep=bench_ms, return_mode="median"),
-                           fa3_kernel_ms=do_bench(flash.kernel, rep=bench_ms, return_mode="median"),
-                           fa3_ok=ok, fa3_max_error=max_error)
+                row.update(
+                    fa3_ms=do_bench(flash.attend, rep=bench_ms, return_mode="median"),
+                    fa3_kernel_ms=do_bench(flash.kernel, rep=bench_ms, return_mode="median"),
+                    fa3_ok=ok,
+                    fa3_max_error=max_error,
+                )
             except RuntimeError as error:  # FlashAttention's own argument checks refusing the call
                 flash = f"the call failed: {error}"
         if isinstance(flash, str):
@@ -385,9 +446,18 @@ def main() -> int:
             tqdm.write(f"{case.kernel}, {case.shape}: FlashAttention 3 skipped: {flash}")
         rows.append(row)
         torch.cuda.empty_cache()
-    settings = dict(gpu=torch.cuda.get_device_name(), timing_ms_per_case=bench_ms, q_heads=Q_HEADS, kv_heads=KV_HEADS,
-                    head_size=HEAD_SIZE, block_size=BLOCK_SIZE, dtype="bfloat16", peak_gbps=PEAK_GBPS,
-                    fa3_checked_tokens_per_end=CHECKED_TOKENS, fa3_skipped=flash_skipped)
+    settings = dict(
+        gpu=torch.cuda.get_device_name(),
+        timing_ms_per_case=bench_ms,
+        q_heads=Q_HEADS,
+        kv_heads=KV_HEADS,
+        head_size=HEAD_SIZE,
+        block_size=BLOCK_SIZE,
+        dtype="bfloat16",
+        peak_gbps=PEAK_GBPS,
+        fa3_checked_tokens_per_end=CHECKED_TOKENS,
+        fa3_skipped=flash_skipped,
+    )
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
 

@@ -50,10 +50,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # TritonOps refuses to start wit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvpolicy.vllm.ops.triton as triton_ops  # noqa: E402
-from kvpolicy.vllm.ops import staging  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from kvpolicy.config import KVPolicyConfig  # noqa: E402
 from kvpolicy.paging import RequestPages  # noqa: E402
+from kvpolicy.vllm.ops import staging  # noqa: E402
 from kvpolicy.vllm.per_head import PerHeadPath  # noqa: E402
 from kvpolicy.vllm.state import WORKER_STATE  # noqa: E402
 from kvpolicy.vllm.step_builder import StepBuilder  # noqa: E402
@@ -66,8 +66,16 @@ PRESETS = {
     "quick": {"batches": [1, 16], "steps": 5},
 }
 COLUMNS = [
-    "step", "batch", "build_ms", "layers_ms", "host_ms", "host_ms_per_row",
-    "h2d_copies", "h2d_bytes", "d2h_copies", "d2h_bytes",
+    "step",
+    "batch",
+    "build_ms",
+    "layers_ms",
+    "host_ms",
+    "host_ms_per_row",
+    "h2d_copies",
+    "h2d_bytes",
+    "d2h_copies",
+    "d2h_bytes",
 ]
 KVPOLICY_DIR = str(Path(triton_ops.__file__).resolve().parents[2])
 
@@ -158,13 +166,18 @@ class SyntheticEngine:
         caches = [torch.empty(1, heads, block, 2 * SHAPE["head_size"], dtype=DTYPE)] * layers
         self.runner = SimpleNamespace(requests=self.requests, input_batch=SimpleNamespace(req_ids=[]), kv_caches=caches)
         WORKER_STATE.configure(KVPolicyConfig(policy=policy, budget=budget, page_pool="layer"), self.runner)
-        impl = SimpleNamespace(alibi_slopes=None, sinks=None, logits_soft_cap=None, scale=SHAPE["head_size"] ** -0.5,
-                               num_kv_heads=heads)
+        impl = SimpleNamespace(
+            alibi_slopes=None, sinks=None, logits_soft_cap=None, scale=SHAPE["head_size"] ** -0.5, num_kv_heads=heads
+        )
         self.ops = triton_ops.TritonOps(impl)
         self.path = PerHeadPath(self.ops)
         self.builder = StepBuilder(
-            num_layers=layers, num_heads=SHAPE["num_heads"], num_kv_heads=heads, block_size=block,
-            max_model_len=2 * CONTEXT, plan=self.ops.plan,
+            num_layers=layers,
+            num_heads=SHAPE["num_heads"],
+            num_kv_heads=heads,
+            block_size=block,
+            max_model_len=2 * CONTEXT,
+            plan=self.ops.plan,
         )
         self.rng = np.random.default_rng(0)
 
@@ -175,7 +188,9 @@ class SyntheticEngine:
         self.next_block += self.blocks_per_request
         self.tables[req_id] = table
         self.requests[req_id] = SimpleNamespace(
-            num_prompt_tokens=CONTEXT, num_tokens=CONTEXT, num_computed_tokens=computed,
+            num_prompt_tokens=CONTEXT,
+            num_tokens=CONTEXT,
+            num_computed_tokens=computed,
             sampling_params=SimpleNamespace(extra_args=None),
         )
         if compressed:
@@ -329,8 +344,15 @@ def main() -> int:
         for batch, mixed in tqdm(cases, desc="steps"):
             rows.append(measure(batch, preset["steps"], mixed, args.policy))
         rows.append(measure_prompt(args.policy))
-    settings = {"shape": SHAPE, "context": CONTEXT, "budget": BUDGET, "chunk": CHUNK, "policy": args.policy,
-                "dtype": str(DTYPE), **preset}
+    settings = {
+        "shape": SHAPE,
+        "context": CONTEXT,
+        "budget": BUDGET,
+        "chunk": CHUNK,
+        "policy": args.policy,
+        "dtype": str(DTYPE),
+        **preset,
+    }
     write_results(out, settings, rows, COLUMNS, plot)
     return 0
 

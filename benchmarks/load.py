@@ -35,8 +35,18 @@ from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # no
 from benchmarks.server import scrape, vllm_server  # noqa: E402
 
 SERVED_NAME = "smollm2"
-SERVER_ARGS = ["--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
-               "--kv-policy", "adasnap", "--kv-budget", "256"]
+SERVER_ARGS = [
+    "--served-model-name",
+    SERVED_NAME,
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "4096",
+    "--kv-policy",
+    "adasnap",
+    "--kv-budget",
+    "256",
+]
 MAX_MODEL_LEN = 4096
 #: Prompt tokens -> share of the prompts: mostly short, as chat traffic is; every length is over the 256 budget.
 PROMPT_LENGTHS = {300: 0.5, 800: 0.35, 2000: 0.15}
@@ -52,8 +62,21 @@ BAD_INPUTS = [
 ]
 GOOD_OPTIONS = [None, {"kv_budget": 64}, {"kv_budget": 512}, {"kv_policy": "none"}, {"kv_policy": "snapkv"}, None]
 OUTCOMES = ("ok", "aborted", "rejected", "4xx", "5xx", "error")
-COLUMNS = ["requests", "ok", "aborted", "rejected", "4xx", "5xx", "error", "p50_s", "p99_s", "wall_s",
-           "pool_empty", "still_serving", "passed"]
+COLUMNS = [
+    "requests",
+    "ok",
+    "aborted",
+    "rejected",
+    "4xx",
+    "5xx",
+    "error",
+    "p50_s",
+    "p99_s",
+    "wall_s",
+    "pool_empty",
+    "still_serving",
+    "passed",
+]
 
 
 @dataclass(frozen=True)
@@ -117,8 +140,9 @@ async def send(client, request: LoadRequest) -> dict:
     import openai
 
     extra_body = {"vllm_xargs": request.options} if request.options else None
-    common = dict(model=SERVED_NAME, max_tokens=request.max_tokens, temperature=0, stream=request.stream,
-                  extra_body=extra_body)
+    common = dict(
+        model=SERVED_NAME, max_tokens=request.max_tokens, temperature=0, stream=request.stream, extra_body=extra_body
+    )
     start = time.perf_counter()
     outcome, detail = "ok", None
     try:
@@ -144,8 +168,13 @@ async def send(client, request: LoadRequest) -> dict:
         outcome, detail = "error", repr(error)
     if request.kind == "bad" and outcome == "ok":
         outcome, detail = "4xx", "a bad input was accepted"
-    return {"index": request.index, "kind": request.kind, "outcome": outcome,
-            "latency_s": time.perf_counter() - start, "detail": detail}
+    return {
+        "index": request.index,
+        "kind": request.kind,
+        "outcome": outcome,
+        "latency_s": time.perf_counter() - start,
+        "detail": detail,
+    }
 
 
 async def drive(base: str, planned: list[LoadRequest], concurrency: int) -> list[dict]:
@@ -171,8 +200,12 @@ async def drive(base: str, planned: list[LoadRequest], concurrency: int) -> list
 
 def pool_empty(base: str, timeout_s: float = 60) -> bool:
     """vLLM's own gauges: nothing running or waiting, no KV block in use, no compressed request held."""
-    wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-              "vllm:kvpolicy_compressed_kv_blocks")
+    wanted = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:kvpolicy_compressed_kv_blocks",
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         samples = scrape(base)
@@ -188,7 +221,9 @@ def still_serving(base: str) -> bool:
 
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
-        model=SERVED_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12,
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
         temperature=0,
     )
     return bool(reply.choices[0].message.content)
@@ -208,11 +243,18 @@ def run(base: str, settings: LoadSettings, tokenizer) -> tuple[dict, list[dict]]
     wall = time.perf_counter() - start
     counts = {outcome: sum(r["outcome"] == outcome for r in results) for outcome in OUTCOMES}
     latencies = [r["latency_s"] for r in results if r["outcome"] == "ok"]
-    summary = {"requests": len(results), **counts, "p50_s": percentile(latencies, 50),
-               "p99_s": percentile(latencies, 99), "wall_s": wall, "pool_empty": pool_empty(base),
-               "still_serving": still_serving(base)}
-    summary["passed"] = (counts["5xx"] == counts["4xx"] == counts["error"] == 0
-                         and summary["pool_empty"] and summary["still_serving"])
+    summary = {
+        "requests": len(results),
+        **counts,
+        "p50_s": percentile(latencies, 50),
+        "p99_s": percentile(latencies, 99),
+        "wall_s": wall,
+        "pool_empty": pool_empty(base),
+        "still_serving": still_serving(base),
+    }
+    summary["passed"] = (
+        counts["5xx"] == counts["4xx"] == counts["error"] == 0 and summary["pool_empty"] and summary["still_serving"]
+    )
     summary["failures"] = [r for r in results if r["outcome"] in ("4xx", "5xx", "error")][:20]
     return summary, results
 
@@ -263,7 +305,7 @@ def plot_dashboard(prometheus, start: float, end: float, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("s since the load started", fontsize=8)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -280,8 +322,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default: results/load.json (quick: load_quick.json)")
     args = parser.parse_args()
 
-    from kvpolicy.model import prepare
     from transformers import AutoTokenizer
+
+    from kvpolicy.model import prepare
 
     preset = "quick" if args.quick else "full"
     settings = PRESETS[preset]

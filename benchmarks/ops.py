@@ -21,9 +21,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -178,10 +178,25 @@ def main() -> int:
         torch_call, csrc_call, floor_call = case.setup()
         torch_ms, csrc_ms = median_ms(torch_call, repeats), median_ms(csrc_call, repeats)
         floor_ms = median_ms(floor_call, repeats) / 2 if floor_call else None
-        rows.append(dict(op=case.op, shape=case.shape, torch_ms=torch_ms, csrc_ms=csrc_ms, speedup=torch_ms / csrc_ms,
-                         gemm_floor_ms=floor_ms))
-    settings = dict(repeats=repeats, threads=torch.get_num_threads(), kv_heads=KV_HEADS, q_heads=Q_HEADS,
-                    head_size=HEAD_SIZE, block_size=BLOCK_SIZE, dtype="float32")
+        rows.append(
+            dict(
+                op=case.op,
+                shape=case.shape,
+                torch_ms=torch_ms,
+                csrc_ms=csrc_ms,
+                speedup=torch_ms / csrc_ms,
+                gemm_floor_ms=floor_ms,
+            )
+        )
+    settings = dict(
+        repeats=repeats,
+        threads=torch.get_num_threads(),
+        kv_heads=KV_HEADS,
+        q_heads=Q_HEADS,
+        head_size=HEAD_SIZE,
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+    )
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
 

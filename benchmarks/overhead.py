@@ -44,7 +44,14 @@ from benchmarks.common import RESULTS_DIR, haystack_prompts, plot_timings, write
 STEPS = 64
 MODES = {"stock path": {"kv_policy": "none"}, "identity": None}
 COLUMNS = [
-    "requests", "prompt_len", "mode", "ms_per_step", "overhead", "fast_ms_per_step", "fast_overhead", "same_tokens",
+    "requests",
+    "prompt_len",
+    "mode",
+    "ms_per_step",
+    "overhead",
+    "fast_ms_per_step",
+    "fast_overhead",
+    "same_tokens",
     "rounds",
 ]
 
@@ -145,24 +152,36 @@ def main() -> int:
     cases = PRESETS["quick" if args.quick else "full"]
 
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
-    import kvpolicy.vllm  # noqa: F401
     from tqdm import tqdm
     from vllm import LLM
 
+    import kvpolicy.vllm  # noqa: F401
     from kvpolicy.model import prepare
 
     longest = max(case.prompt_len for case in cases)
     llm = LLM(
-        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=longest + STEPS + 64,
-        enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30, block_size=BLOCK_SIZE,
-        max_num_seqs=max(case.requests for case in cases), seed=0, kv_policy="identity",
+        str(prepare()),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=longest + STEPS + 64,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=1 << 30,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max(case.requests for case in cases),
+        seed=0,
+        kv_policy="identity",
     )
     rows = []
     with tqdm(total=len(cases) * rounds * len(MODES), desc="decode rounds", unit="round") as progress:
         for case in cases:
             rows += run_case(llm, case, rounds, progress)
-    settings = {"steps": STEPS, "rounds": rounds, "cases": [asdict(case) for case in cases], "block_size": BLOCK_SIZE,
-                "dtype": "float32"}
+    settings = {
+        "steps": STEPS,
+        "rounds": rounds,
+        "cases": [asdict(case) for case in cases],
+        "block_size": BLOCK_SIZE,
+        "dtype": "float32",
+    }
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0
 

@@ -23,7 +23,9 @@ DASHBOARD = Path(__file__).resolve().parents[1] / "docker" / "grafana" / "dashbo
 #: Grafana's interval variables, fixed: a scrape every second makes a 15 s window hold enough samples.
 SCRAPE_INTERVAL_S = 1
 GRAFANA_VARIABLES = {"$__rate_interval": "15s", "$__interval": "1s", "$__range": "5m"}
-INSTALL_HINT = "Prometheus is not installed: `make prometheus` installs Debian's package (apt-get, as root or with sudo)"
+INSTALL_HINT = (
+    "Prometheus is not installed: `make prometheus` installs Debian's package (apt-get, as root or with sudo)"
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Prometheus:
             raise RuntimeError(INSTALL_HINT)
         self.url = f"http://127.0.0.1:{free_port()}"
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         self._dir = tempfile.TemporaryDirectory(prefix="kvpolicy-prometheus-")
         root = Path(self._dir.name)
         (root / "prometheus.yml").write_text(
@@ -65,9 +67,14 @@ class Prometheus:
         )
         self._log = open(root / "prometheus.log", "w")
         self._proc = subprocess.Popen(
-            [self.binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                self.binary,
+                f"--config.file={root / 'prometheus.yml'}",
+                f"--storage.tsdb.path={root / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
         while not self._ready():

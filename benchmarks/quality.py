@@ -46,16 +46,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR, markdown_table, model_folder, policy_options, write_json, write_results,
+    RESULTS_DIR,
+    markdown_table,
+    model_folder,
+    policy_options,
+    write_json,
+    write_results,
 )
 from benchmarks.tasks import ANSWER_TOKENS, TASKS, TaskItem, is_hit  # noqa: E402
 
 POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
 DEPTHS = [0.1, 0.26, 0.42, 0.58, 0.74, 0.9]
-FULL = {"policies": [*POLICIES, "omnikv@0.7"], "budgets": ["128", "256", "512", "0.5", "0.75", "0.9"], "tasks": list(TASKS),
-        "lengths": [1000, 2000, 4000, 8000], "depths": DEPTHS, "seeds": 1, "first_seed": 0}
-QUICK = {"policies": ["adamix", "adasnap", "keydiff", "omnikv@0.7"], "budgets": ["0.75"],
-         "tasks": ["passkey", "niah", "multikey"], "lengths": [1000], "depths": DEPTHS, "seeds": 1, "first_seed": 0}
+FULL = {
+    "policies": [*POLICIES, "omnikv@0.7"],
+    "budgets": ["128", "256", "512", "0.5", "0.75", "0.9"],
+    "tasks": list(TASKS),
+    "lengths": [1000, 2000, 4000, 8000],
+    "depths": DEPTHS,
+    "seeds": 1,
+    "first_seed": 0,
+}
+QUICK = {
+    "policies": ["adamix", "adasnap", "keydiff", "omnikv@0.7"],
+    "budgets": ["0.75"],
+    "tasks": ["passkey", "niah", "multikey"],
+    "lengths": [1000],
+    "depths": DEPTHS,
+    "seeds": 1,
+    "first_seed": 0,
+}
 #: Prompts for choosing variants (``--first-seed 100``); reported numbers use seeds from 0, never these.
 DEV_SEED = 100
 #: The full cache must answer at least this share of a task x context's prompts for it to count.
@@ -103,25 +122,44 @@ def layer_count(model: str | None) -> int:
 def run_engine(policy: str, cells: list[dict], model: str | None) -> None:
     """One engine, in this process, answering each cell (``budget``, ``items``, ``path``) in turn; a cell's answers
     are written to its ``path`` once they are in, so only its own prompts are ever in flight together."""
-    import kvpolicy.vllm  # noqa: F401
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    import kvpolicy.vllm  # noqa: F401
+
     model = model_folder(model)
     num_layers = layer_count(model)
-    largest = max((request_budget(cell["budget"], len(item["ids"]), policy, num_layers)
-                   for cell in cells if cell["budget"] != FULL_CACHE for item in cell["items"]), default=None)
+    largest = max(
+        (
+            request_budget(cell["budget"], len(item["ids"]), policy, num_layers)
+            for cell in cells
+            if cell["budget"] != FULL_CACHE
+            for item in cell["items"]
+        ),
+        default=None,
+    )
     llm = LLM(
-        model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
-        max_num_batched_tokens=PREFILL_CHUNK, kv_cache_memory_bytes=2 << 30, seed=0,
-        **policy_options(policy), **({"kv_budget": largest} if largest else {}),
+        model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=PREFILL_CHUNK,
+        kv_cache_memory_bytes=2 << 30,
+        seed=0,
+        **policy_options(policy),
+        **({"kv_budget": largest} if largest else {}),
     )
     for cell in tqdm(cells, desc=policy, unit="cell"):
         prompts = [TokensPrompt(prompt_token_ids=item["ids"]) for item in cell["items"]]
         requested = [request_budget(cell["budget"], len(item["ids"]), policy, num_layers) for item in cell["items"]]
-        params = [SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0,
-                                 extra_args=None if tokens is None else {"kv_budget": tokens}) for tokens in requested]
+        params = [
+            SamplingParams(
+                max_tokens=ANSWER_TOKENS, temperature=0.0, extra_args=None if tokens is None else {"kv_budget": tokens}
+            )
+            for tokens in requested
+        ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         write_json(Path(cell["path"]), {"answers": [o.outputs[0].text for o in outputs]})
 
@@ -136,8 +174,9 @@ def summary_rows(rows: list[dict], reliable: set) -> list[dict]:
     summary = []
     for (policy, budget, ratio), by_task in groups.items():
         tasks = {task: sum(accs) / len(accs) for task, accs in by_task.items()}
-        summary.append({"policy": policy, "budget": budget, "ratio": ratio, **tasks,
-                        "mean": sum(tasks.values()) / len(tasks)})
+        summary.append(
+            {"policy": policy, "budget": budget, "ratio": ratio, **tasks, "mean": sum(tasks.values()) / len(tasks)}
+        )
     return summary
 
 
@@ -207,7 +246,9 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_ylim(-0.05, 1.05)
         row_axes[0].set_ylabel("accuracy")
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.suptitle("Task accuracy vs compression, SmolLM2-135M in vLLM (CPU);\ncontexts the full cache solves", fontsize=10)
+    fig.suptitle(
+        "Task accuracy vs compression, SmolLM2-135M in vLLM (CPU);\ncontexts the full cache solves", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
@@ -217,8 +258,15 @@ def plot(rows: list[dict], path: Path) -> None:
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskItem], progress,
-                 core: int | None = None, model: str | None = None) -> list[dict]:
+def answer_cells(
+    work: Path,
+    policy: str,
+    budgets: list[str],
+    items: list[TaskItem],
+    progress,
+    core: int | None = None,
+    model: str | None = None,
+) -> list[dict]:
     """A policy's accuracy rows at each budget, one per task x context of ``items``.
 
     Each (budget, task, context) cell is a file in ``work`` named by a digest of its prompts (and ``model``): cells
@@ -238,27 +286,42 @@ def answer_cells(work: Path, policy: str, budgets: list[str], items: list[TaskIt
     progress.update(len(cells) - len(missing))
     if missing:
         job = work / f"job-{policy}-{os.getpid()}-{core}.json"
-        write_json(job, {"policy": policy, "model": model,
-                         "cells": [{"budget": key[0], "items": cells[key][1], "path": str(cells[key][0])}
-                                   for key in missing]})
+        write_json(
+            job,
+            {
+                "policy": policy,
+                "model": model,
+                "cells": [{"budget": key[0], "items": cells[key][1], "path": str(cells[key][0])} for key in missing],
+            },
+        )
         env = None if core is None else {**os.environ, THREADS_BIND_ENV: str(core)}
         proc = subprocess.run([sys.executable, __file__, "--run-one", str(job)], env=env)
         if proc.returncode != 0:
-            raise SystemExit(f"{policy} failed (exit {proc.returncode}, its log is above); "
-                             f"finished cells are kept in {work}")
+            raise SystemExit(
+                f"{policy} failed (exit {proc.returncode}, its log is above); finished cells are kept in {work}"
+            )
         job.unlink()
         progress.update(len(missing))
     rows = []
     for (budget, task, length), (path, _) in cells.items():
         answers = json.loads(path.read_text())["answers"]
         hits = [is_hit(item, answer) for item, answer in zip(groups[(task, length)], answers)]
-        rows.append({"policy": policy, **budget_fields(budget), "task": task, "context": length,
-                     "accuracy": sum(hits) / len(hits), "n": len(hits)})
+        rows.append(
+            {
+                "policy": policy,
+                **budget_fields(budget),
+                "task": task,
+                "context": length,
+                "accuracy": sum(hits) / len(hits),
+                "n": len(hits),
+            }
+        )
     return rows
 
 
-def answer_in_parallel(work: Path, grid: list[tuple[str, list[str]]], items: list[TaskItem], progress,
-                       jobs: int, model: str | None = None) -> list[dict]:
+def answer_in_parallel(
+    work: Path, grid: list[tuple[str, list[str]]], items: list[TaskItem], progress, jobs: int, model: str | None = None
+) -> list[dict]:
     """``answer_cells`` for every policy of ``grid``, ``jobs`` engines at a time, each bound to a core of its own
     (unless ``VLLM_CPU_OMP_THREADS_BIND`` is set or one job runs); rows in grid order."""
     cores: queue.Queue = queue.Queue()
@@ -311,29 +374,47 @@ def build_items(settings: dict) -> list[TaskItem]:
     from benchmarks.tasks import TaskBuilder
 
     builder = TaskBuilder(AutoTokenizer.from_pretrained(model_folder(settings["model"])))
-    return [builder.build(task, length, depth, seed)
-            for task in settings["tasks"] for length in settings["lengths"]
-            for depth in settings["depths"]
-            for seed in range(settings["first_seed"], settings["first_seed"] + settings["seeds"])]
+    return [
+        builder.build(task, length, depth, seed)
+        for task in settings["tasks"]
+        for length in settings["lengths"]
+        for depth in settings["depths"]
+        for seed in range(settings["first_seed"], settings["first_seed"] + settings["seeds"])
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small grid, about 10 minutes here")
-    parser.add_argument("--policies", nargs="*",
-                        help="policy specs, name[:option=value,...][@budget]; the full cache always runs")
+    parser.add_argument(
+        "--policies", nargs="*", help="policy specs, name[:option=value,...][@budget]; the full cache always runs"
+    )
     parser.add_argument("--budgets", nargs="+", help="token counts (256) or compression ratios (0.75: a quarter kept)")
     parser.add_argument("--tasks", nargs="+", choices=TASKS)
     parser.add_argument("--lengths", nargs="+", type=int, help="prompt lengths in tokens")
-    parser.add_argument("--policy-lengths", nargs="+", type=int,
-                        help="the prompt lengths the policies run at (default: every length; the full cache runs at all)")
+    parser.add_argument(
+        "--policy-lengths",
+        nargs="+",
+        type=int,
+        help="the prompt lengths the policies run at (default: every length; the full cache runs at all)",
+    )
     parser.add_argument("--depths", nargs="+", type=float)
     parser.add_argument("--seeds", type=int, help="prompts per task, length and depth")
-    parser.add_argument("--first-seed", type=int, help=f"the first prompt seed (default 0; {DEV_SEED}: the dev prompts)")
-    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
-                        help="engines at once, each on its own core (default: one per core)")
+    parser.add_argument(
+        "--first-seed", type=int, help=f"the first prompt seed (default 0; {DEV_SEED}: the dev prompts)"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="engines at once, each on its own core (default: one per core)",
+    )
     parser.add_argument("--out", type=Path, help="default: results/quality.json (quick: quality_quick.json)")
-    parser.add_argument("--model", default=None, help="HF model folder, full cache included (default: the prepared SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder, full cache included (default: the prepared SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--run-one", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 

@@ -7,9 +7,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import requests
 
@@ -27,7 +27,16 @@ def vllm_server(model: Path, args: list[str], log_path: Path, kv_cache_gib: int 
     """``vllm serve model *args`` on a free loopback port; yields its base URL once ``/health`` answers."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

@@ -37,13 +37,58 @@ TASKS = ("passkey", "niah", "multikey", "kv", "twostage")
 ANSWER_TOKENS = 16
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 WORDS = (
-    "apple", "river", "candle", "forest", "violin", "harbor", "pepper", "marble", "rocket", "garden",
-    "saddle", "tunnel", "falcon", "button", "lantern", "meadow", "anchor", "walnut", "glacier", "pillow",
-    "trumpet", "canyon", "ribbon", "orchard", "compass", "blanket", "thunder", "pebble", "mirror", "island",
+    "apple",
+    "river",
+    "candle",
+    "forest",
+    "violin",
+    "harbor",
+    "pepper",
+    "marble",
+    "rocket",
+    "garden",
+    "saddle",
+    "tunnel",
+    "falcon",
+    "button",
+    "lantern",
+    "meadow",
+    "anchor",
+    "walnut",
+    "glacier",
+    "pillow",
+    "trumpet",
+    "canyon",
+    "ribbon",
+    "orchard",
+    "compass",
+    "blanket",
+    "thunder",
+    "pebble",
+    "mirror",
+    "island",
 )
 COLORS = (
-    "red", "blue", "green", "yellow", "black", "white", "brown", "purple", "orange", "pink",
-    "gray", "teal", "maroon", "violet", "lime", "olive", "navy", "gold", "silver", "beige",
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "black",
+    "white",
+    "brown",
+    "purple",
+    "orange",
+    "pink",
+    "gray",
+    "teal",
+    "maroon",
+    "violet",
+    "lime",
+    "olive",
+    "navy",
+    "gold",
+    "silver",
+    "beige",
 )
 DISTRACTORS = 1
 
@@ -108,8 +153,18 @@ class TaskBuilder:
             taken = at
         return out + filler[taken:]
 
-    def fit(self, task: str, length: int, depth: float, head: str, needles: list[tuple[float, str]],
-            question: str, answer: str, haystack: str, rng: random.Random) -> TaskItem:
+    def fit(
+        self,
+        task: str,
+        length: int,
+        depth: float,
+        head: str,
+        needles: list[tuple[float, str]],
+        question: str,
+        answer: str,
+        haystack: str,
+        rng: random.Random,
+    ) -> TaskItem:
         head_ids, question_ids = self.encode(head), self.encode(question)
         needle_ids = [(d, self.encode(text)) for d, text in needles]
         room = length - len(head_ids) - len(question_ids) - sum(len(ids) for _, ids in needle_ids)
@@ -121,11 +176,22 @@ class TaskBuilder:
 
     def passkey(self, length: int, depth: float, rng: random.Random) -> TaskItem:
         key = str(rng.randrange(10000, 100000))
-        head = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                "I will quiz you about the important information there.\n\n")
+        head = (
+            "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the important information there.\n\n"
+        )
         needle = f" The pass key is {key}. Remember it. {key} is the pass key."
-        return self.fit("passkey", length, depth, head, [(depth, needle)],
-                        " What is the pass key? The pass key is", key, "filler", rng)
+        return self.fit(
+            "passkey",
+            length,
+            depth,
+            head,
+            [(depth, needle)],
+            " What is the pass key? The pass key is",
+            key,
+            "filler",
+            rng,
+        )
 
     def _magic_numbers(self, task: str, length: int, depth: float, rng: random.Random, distractors: int) -> TaskItem:
         words = rng.sample(WORDS, 1 + distractors)
@@ -133,7 +199,9 @@ class TaskBuilder:
         depths = [depth] + [rng.random() for _ in range(distractors)]
         needles = [(d, f" The special magic number for {w} is {n}.") for d, w, n in zip(depths, words, numbers)]
         head = "Some special magic numbers are hidden in the essays below. Find them and remember them.\n\n"
-        question = f"\n\nWhat is the special magic number for {words[0]}?\nAnswer: The special magic number for {words[0]} is"
+        question = (
+            f"\n\nWhat is the special magic number for {words[0]}?\nAnswer: The special magic number for {words[0]} is"
+        )
         return self.fit(task, length, depth, head, needles, question, numbers[0], "prose", rng)
 
     def niah(self, length: int, depth: float, rng: random.Random) -> TaskItem:
@@ -163,8 +231,10 @@ class TaskBuilder:
         return self._dictionary("kv", length, depth, head, entries, question(key), value)
 
     def twostage(self, length: int, depth: float, rng: random.Random) -> TaskItem:
-        head = ("Let's play a game. You have a dict and an addition. Add the two numbers, find that key "
-                "in the dict, and answer with its color. The dict is {")
+        head = (
+            "Let's play a game. You have a dict and an addition. Add the two numbers, find that key "
+            "in the dict, and answer with its color. The dict is {"
+        )
         counter = iter(range(10**6))
 
         def entry() -> tuple[int, str, str]:
@@ -192,8 +262,9 @@ class TaskBuilder:
                 return entries
             entries.append((key, value, ids))
 
-    def _dictionary(self, task: str, length: int, depth: float, head: str, entries: list, question: str,
-                    answer: str) -> TaskItem:
+    def _dictionary(
+        self, task: str, length: int, depth: float, head: str, entries: list, question: str, answer: str
+    ) -> TaskItem:
         """A dictionary prompt, padded to ``length`` with spaces before its closing brace."""
         body = self.encode(head) + [t for _, _, ids in entries for t in ids]
         tail = self.encode(question)

@@ -36,32 +36,63 @@ from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, polic
 UNBUDGETED = ("stock", "none", "identity", "pod")
 #: "stock" is vLLM without kvpolicy options; "none" is kvpolicy installed with --kv-policy none.
 PRESETS = {
-    "full": {"policies": ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"],
-             "budgets": [128, 256, 512], "output_lens": [512, 128], "requests": 16},
+    "full": {
+        "policies": ["stock", "none", "identity", "snapkv", "adasnap", "pyramid", "adapyramid", "streaming"],
+        "budgets": [128, 256, 512],
+        "output_lens": [512, 128],
+        "requests": 16,
+    },
     # Stock vLLM, the per-head path's cost, and the uniform, adaptive and attention-free evictions.
-    "quick": {"policies": ["stock", "identity", "snapkv", "adasnap", "streaming"],
-              "budgets": [256], "output_lens": [128], "requests": 5},
+    "quick": {
+        "policies": ["stock", "identity", "snapkv", "adasnap", "streaming"],
+        "budgets": [256],
+        "output_lens": [128],
+        "requests": 5,
+    },
     # The regime compression exists for: long outputs, where running requests grow and admission must plan for it.
     "decode-heavy": {"policies": ["stock", "adasnap"], "budgets": [256], "output_lens": [1024], "requests": 16},
     # Pages held right after compression against the ideal (memory efficiency), per policy; little decode.
     # The layer-varying policies also with each layer in its own part of the blocks (the CUDA layout).
-    "pages": {"policies": ["snapkv", "adasnap", "streaming", "pyramid", "adapyramid", "d2o",
-                           "pyramid:page_pool=layer", "adapyramid:page_pool=layer", "d2o:page_pool=layer"],
-              "budgets": [256], "output_lens": [32], "requests": 4},
+    "pages": {
+        "policies": [
+            "snapkv",
+            "adasnap",
+            "streaming",
+            "pyramid",
+            "adapyramid",
+            "d2o",
+            "pyramid:page_pool=layer",
+            "adapyramid:page_pool=layer",
+            "d2o:page_pool=layer",
+        ],
+        "budgets": [256],
+        "output_lens": [32],
+        "requests": 4,
+    },
 }
 COLUMNS = [
-    "policy", "budget", "output_len", "output_tokens_per_s", "peak_running", "preemptions",
-    "mean_blocks_held", "blocks_per_request", "memory_efficiency", "decode_ms_per_step", "ttft_s", "ttft_overhead",
+    "policy",
+    "budget",
+    "output_len",
+    "output_tokens_per_s",
+    "peak_running",
+    "preemptions",
+    "mean_blocks_held",
+    "blocks_per_request",
+    "memory_efficiency",
+    "decode_ms_per_step",
+    "ttft_s",
+    "ttft_overhead",
 ]
 
 
 def run_one(args) -> dict:
     """One configuration, in this process: returns its row."""
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
-    import kvpolicy.vllm  # noqa: F401
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    import kvpolicy.vllm  # noqa: F401
     from kvpolicy.model import prepare
     from kvpolicy.policies import POLICIES
 
@@ -70,9 +101,17 @@ def run_one(args) -> dict:
     if args.budget and name not in UNBUDGETED:
         policy["kv_budget"] = args.budget
     llm = LLM(
-        str(prepare()), dtype="float32", enforce_eager=True, max_model_len=args.ttft_len + 64,
-        enable_prefix_caching=False, kv_cache_memory_bytes=args.pool_mib << 20, block_size=args.block_size,
-        max_num_seqs=args.requests, disable_log_stats=False, seed=0, **policy,
+        str(prepare()),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=args.ttft_len + 64,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=args.pool_mib << 20,
+        block_size=args.block_size,
+        max_num_seqs=args.requests,
+        disable_log_stats=False,
+        seed=0,
+        **policy,
     )
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
@@ -175,11 +214,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
-                        help="policies, budgets, output lengths and requests; the options below override it")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="full",
+        help="policies, budgets, output lengths and requests; the options below override it",
+    )
     parser.add_argument("--quick", action="store_true", help="--preset quick")
-    parser.add_argument("--policies", nargs="+", default=None,
-                        help="name[:option=value,...], e.g. pod:pod_tau=0.7")
+    parser.add_argument("--policies", nargs="+", default=None, help="name[:option=value,...], e.g. pod:pod_tau=0.7")
     parser.add_argument("--budgets", nargs="+", type=int, default=None)
     parser.add_argument("--output-lens", nargs="+", type=int, default=None)
     parser.add_argument("--requests", type=int, default=None, help="concurrent requests (quick 5, full 16)")
@@ -217,10 +259,25 @@ def main() -> int:
     row_file = args.out.with_suffix(".row.tmp")
     for policy, budget, output_len in tqdm(grid, desc="configurations", unit="engine"):
         cmd = [
-            sys.executable, __file__, "--run-one", "--policy", policy, "--output-len", str(output_len),
-            "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
-            "--ttft-len", str(args.ttft_len), "--pool-mib", str(args.pool_mib), "--block-size", str(args.block_size),
-            "--row-out", str(row_file),
+            sys.executable,
+            __file__,
+            "--run-one",
+            "--policy",
+            policy,
+            "--output-len",
+            str(output_len),
+            "--requests",
+            str(args.requests),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--ttft-len",
+            str(args.ttft_len),
+            "--pool-mib",
+            str(args.pool_mib),
+            "--block-size",
+            str(args.block_size),
+            "--row-out",
+            str(row_file),
         ]
         if budget:
             cmd += ["--budget", str(budget)]
@@ -231,8 +288,12 @@ def main() -> int:
     row_file.unlink(missing_ok=True)
 
     settings = {
-        "requests": args.requests, "prompt_len": args.prompt_len, "ttft_len": args.ttft_len,
-        "pool_mib": args.pool_mib, "block_size": args.block_size, "preset": "quick" if args.quick else args.preset,
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "ttft_len": args.ttft_len,
+        "pool_mib": args.pool_mib,
+        "block_size": args.block_size,
+        "preset": "quick" if args.quick else args.preset,
     }
     write_results(args.out, settings, rows, COLUMNS, plot)
     return 0

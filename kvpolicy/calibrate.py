@@ -84,7 +84,9 @@ def sample_windows(token_ids: list[int], count: int, length: int) -> list[int]:
 
 def add_model_arguments(parser: argparse.ArgumentParser, length: int) -> None:
     """``--model`` and ``--length``, as every command that runs a model over the essays reads them."""
-    parser.add_argument("--model", type=Path, default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="HF model folder (default: the prepared SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--length", type=int, default=length, help=f"tokens per window (default {length})")
 
 
@@ -97,7 +99,11 @@ def provenance(module: str, argv: list[str], versions: dict) -> dict:
     with ``weights_only``)."""
     return {
         "command": " ".join([f"python -m {module}", *argv]),
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], **{k: str(v) for k, v in versions.items()}},
+        "machine": {
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            **{k: str(v) for k, v in versions.items()},
+        },
     }
 
 
@@ -160,7 +166,9 @@ def propose(self_recall: list[float], ability: list[float], threshold: float, sp
     return filters[0], filters
 
 
-def layer_roles(similarity: torch.Tensor, dense_layers: int, filter_layers: list[int]) -> list[tuple[str, float | None]]:
+def layer_roles(
+    similarity: torch.Tensor, dense_layers: int, filter_layers: list[int]
+) -> list[tuple[str, float | None]]:
     """Per layer: its role under the proposal and, for sparse layers, ``sim(source filter layer, layer)``: the attention mass it keeps."""
     layers = similarity.shape[0]
     if not filter_layers:
@@ -179,7 +187,14 @@ def layer_roles(similarity: torch.Tensor, dense_layers: int, filter_layers: list
     return roles
 
 
-def plot(path: Path, rows: list[dict], similarity: torch.Tensor, threshold: float, dense_layers: int, filter_layers: list[int]) -> None:
+def plot(
+    path: Path,
+    rows: list[dict],
+    similarity: torch.Tensor,
+    threshold: float,
+    dense_layers: int,
+    filter_layers: list[int],
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,11 +202,15 @@ def plot(path: Path, rows: list[dict], similarity: torch.Tensor, threshold: floa
 
     layers = [row["layer"] for row in rows]
     fig, (curves, heatmap) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
-    curves.plot(layers, [row["filter_ability"] for row in rows], "o-", label="filter ability (mean sim to next span layers)")
+    curves.plot(
+        layers, [row["filter_ability"] for row in rows], "o-", label="filter ability (mean sim to next span layers)"
+    )
     curves.plot(layers, [row["self_recall"] for row in rows], "s--", label="self recall (sim to itself)")
     curves.axhline(threshold, color="grey", linewidth=0.8, linestyle=":", label=f"threshold {threshold:g}")
     if dense_layers:
-        curves.axvspan(-0.5, dense_layers - 0.5, color="grey", alpha=0.15, label=f"dense layers (< L0 = {dense_layers})")
+        curves.axvspan(
+            -0.5, dense_layers - 0.5, color="grey", alpha=0.15, label=f"dense layers (< L0 = {dense_layers})"
+        )
     for i, layer in enumerate(filter_layers):
         curves.axvline(layer, color="tab:red", alpha=0.6, label="proposed filter layers" if i == 0 else None)
     curves.set_xlabel("layer")
@@ -215,8 +234,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="sample windows of the essays (default 4)")
     parser.add_argument("--top-k", type=int, default=256, help="tokens a layer selects (default 256)")
     parser.add_argument("--span", type=int, default=8, help="following layers a filter layer is scored on (default 8)")
-    parser.add_argument("--threshold", type=float, default=0.8, help="self recall and filter ability L0 must reach (default 0.8)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results; a PNG goes beside it (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--threshold", type=float, default=0.8, help="self recall and filter ability L0 must reach (default 0.8)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"JSON results; a PNG goes beside it (default {DEFAULT_OUT})"
+    )
     args = parser.parse_args(argv)
     if args.length < 2 or args.prompts < 1 or args.top_k < 1 or args.span < 1:
         parser.error("--length must be at least 2 and --prompts, --top-k, --span at least 1")
@@ -242,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     dense_layers, filter_layers = propose(self_recall, ability, args.threshold, args.span)
     roles = layer_roles(similarity, dense_layers, filter_layers)
     rows = [
-        {"layer": layer, "self_recall": recall, "filter_ability": None if math.isnan(score) else score, "role": role, "kept_mass": kept}
+        {
+            "layer": layer,
+            "self_recall": recall,
+            "filter_ability": None if math.isnan(score) else score,
+            "role": role,
+            "kept_mass": kept,
+        }
         for layer, (recall, score, (role, kept)) in enumerate(zip(self_recall, ability, roles))
     ]
     seconds = time.perf_counter() - started
@@ -252,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         score = "-" if row["filter_ability"] is None else f"{row['filter_ability']:.3f}"
         kept = "-" if row["kept_mass"] is None else f"{row['kept_mass']:.3f}"
         print(f"{row['layer']:>5}  {row['self_recall']:>11.3f}  {score:>14}  {kept:>9}  {row['role']}")
-    print(f"\nproposal: --kv-dense-layers {dense_layers} --kv-filter-layers {','.join(map(str, filter_layers)) or '(none)'}")
+    print(
+        f"\nproposal: --kv-dense-layers {dense_layers} --kv-filter-layers {','.join(map(str, filter_layers)) or '(none)'}"
+    )
 
     payload = {
         **provenance("kvpolicy.calibrate", argv, versions),

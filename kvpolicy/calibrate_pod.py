@@ -63,7 +63,9 @@ def plot(path: Path, sim: torch.Tensor, groups: LayerGroups, delta: float) -> No
         image = ax.imshow(sim[head].numpy(), vmin=0, vmax=1, cmap="viridis")
         for block in groups.blocks[head]:
             start, end = block[0] - 0.5, block[-1] + 0.5
-            ax.add_patch(plt.Rectangle((start, start), end - start, end - start, fill=False, edgecolor="red", linewidth=1.2))
+            ax.add_patch(
+                plt.Rectangle((start, start), end - start, end - start, fill=False, edgecolor="red", linewidth=1.2)
+            )
         ax.set_title(f"KV head {head}: {len(groups.blocks[head])} blocks", fontsize=10)
         ax.set_xlabel("layer")
         ax.set_ylabel("layer")
@@ -77,9 +79,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvpolicy.calibrate_pod", description=__doc__.split("\n")[0])
     add_model_arguments(parser, length=2048)
     parser.add_argument("--prompts", type=int, default=4, help="sample windows of the essays (default 4)")
-    parser.add_argument("--queries", type=int, default=32, help="last tokens whose attention rows are compared (default 32)")
-    parser.add_argument("--delta", type=float, default=0.5, help="similarity a layer needs to join a block (default 0.5, the paper's)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_GROUPS, help=f"grouping JSON; a PNG goes beside it (default {DEFAULT_GROUPS})")
+    parser.add_argument(
+        "--queries", type=int, default=32, help="last tokens whose attention rows are compared (default 32)"
+    )
+    parser.add_argument(
+        "--delta", type=float, default=0.5, help="similarity a layer needs to join a block (default 0.5, the paper's)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_GROUPS,
+        help=f"grouping JSON; a PNG goes beside it (default {DEFAULT_GROUPS})",
+    )
     args = parser.parse_args(argv)
     if args.prompts < 1 or not 1 <= args.queries < args.length or not 0 <= args.delta <= 1:
         parser.error("--prompts >= 1, 1 <= --queries < --length and 0 <= --delta <= 1")
@@ -106,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     for head, blocks in enumerate(groups.blocks):
         print(f"{head:>7}  " + " ".join("[" + ",".join(map(str, block)) + "]" for block in blocks))
     saved = {n: pod.saved_fraction(groups, n) for n in (2048, 4096, 8192)}
-    print(f"\n(layer, head) pairs sharing scores: {groups.shared_fraction():.1%}; K+V saved at "
-          + ", ".join(f"{n} tokens {s:.1%}" for n, s in saved.items())
-          + f" (n_s {pod.sink_tokens}, n_r {pod.recent_tokens})")
+    print(
+        f"\n(layer, head) pairs sharing scores: {groups.shared_fraction():.1%}; K+V saved at "
+        + ", ".join(f"{n} tokens {s:.1%}" for n, s in saved.items())
+        + f" (n_s {pod.sink_tokens}, n_r {pod.recent_tokens})"
+    )
 
     payload = {
         **provenance("kvpolicy.calibrate_pod", argv, versions),

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from kvpolicy.policies import POLICIES, make_policy
 
-
 #: OmniKV defaults for the default model (30 layers), from ``python -m kvpolicy.calibrate`` (docs/policies.md).
 OMNIKV_FILTER_LAYERS = (2, 9, 15)
 OMNIKV_DENSE_LAYERS = 2
@@ -58,21 +57,15 @@ class KVPolicyConfig:
         check_policy_name(self.policy)
         object.__setattr__(self, "filter_layers", tuple(self.filter_layers))  # a list after JSON
         if self.budget is not None and self.budget <= 0:
-            raise KVPolicyConfigError(
-                f"--kv-budget must be a positive number of tokens per KV head, got {self.budget}"
-            )
+            raise KVPolicyConfigError(f"--kv-budget must be a positive number of tokens per KV head, got {self.budget}")
         if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
-            raise KVPolicyConfigError(
-                f"--kv-ratio is the fraction of prompt tokens kept, in (0, 1]; got {self.ratio}"
-            )
+            raise KVPolicyConfigError(f"--kv-ratio is the fraction of prompt tokens kept, in (0, 1]; got {self.ratio}")
         if self.budget is not None and self.ratio is not None:
             raise KVPolicyConfigError("give --kv-budget or --kv-ratio, not both")
         if self.window <= 0:
             raise KVPolicyConfigError(f"--kv-window must be positive, got {self.window}")
         if self.pool_kernel is not None and (self.pool_kernel <= 0 or self.pool_kernel % 2 == 0):
-            raise KVPolicyConfigError(
-                f"--kv-pool-kernel must be a positive odd number, got {self.pool_kernel}"
-            )
+            raise KVPolicyConfigError(f"--kv-pool-kernel must be a positive odd number, got {self.pool_kernel}")
         if (self.sink_tokens or 0) < 0 or (self.recent_tokens or 0) < 0:
             raise KVPolicyConfigError("--kv-sink-tokens and --kv-recent-tokens must be >= 0")
         if not self.filter_layers or sorted(set(self.filter_layers)) != list(self.filter_layers):
@@ -235,7 +228,7 @@ class KVPolicyConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict | None) -> "KVPolicyConfig":
+    def from_dict(cls, values: dict | None) -> KVPolicyConfig:
         values = values or {}
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known

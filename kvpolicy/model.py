@@ -65,11 +65,7 @@ def _sha256(path: Path) -> str:
 
 
 def _manifest(folder: Path) -> dict[str, str]:
-    return {
-        p.name: _sha256(p)
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
+    return {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
 def verify(folder: Path) -> bool:
@@ -97,9 +93,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     # Dequantized fp32 weights (bf16 loses the France answer): drop the GGUF quantizer so the folder is a plain checkpoint.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -121,9 +115,7 @@ def prepare(out_dir: Path | None = None, force: bool = False) -> Path:
     staging.mkdir(parents=True, exist_ok=True)
     _convert(gguf_path, staging)
     files = _manifest(staging)
-    (staging / MANIFEST).write_text(
-        json.dumps({"source": GGUF_FILE, "files": files}, indent=1)
-    )
+    (staging / MANIFEST).write_text(json.dumps({"source": GGUF_FILE, "files": files}, indent=1))
     if out_dir.exists():
         for p in out_dir.iterdir():
             p.unlink()
@@ -135,7 +127,9 @@ def prepare(out_dir: Path | None = None, force: bool = False) -> Path:
 TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def prepare_tiny(num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 32, seed: int = 0) -> Path:
+def prepare_tiny(
+    num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 32, seed: int = 0
+) -> Path:
     """A random-weight Llama of the given shape with the default model's tokenizer, saved as an HF folder.
 
     For shapes the default model lacks (GQA splits, few layers for interpreted
@@ -168,7 +162,9 @@ def prepare_tiny(num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2,
     LlamaForCausalLM(config).save_pretrained(staging, safe_serialization=True)
     for name in TINY_TOKENIZER_FILES:
         (staging / name).write_bytes((source / name).read_bytes())
-    (staging / MANIFEST).write_text(json.dumps({"source": f"random weights, seed {seed}", "files": _manifest(staging)}, indent=1))
+    (staging / MANIFEST).write_text(
+        json.dumps({"source": f"random weights, seed {seed}", "files": _manifest(staging)}, indent=1)
+    )
     staging.rename(out_dir)
     return out_dir
 

@@ -156,8 +156,14 @@ def train(model, windows: list[torch.Tensor], out: Path, lr: float, save_every: 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log["steps"].append({"step": step + 1, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
-                             "seconds": round(time.perf_counter() - started, 2)})
+        log["steps"].append(
+            {
+                "step": step + 1,
+                "loss": loss.item(),
+                "lr": optimizer.param_groups[0]["lr"],
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        )
         progress.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % save_every == 0 or step + 1 == len(windows):
             save_checkpoint(checkpoint, model, optimizer, log)
@@ -168,7 +174,10 @@ def train(model, windows: list[torch.Tensor], out: Path, lr: float, save_every: 
 def save_checkpoint(path: Path, model, optimizer, log: dict) -> None:
     """Written beside and then renamed, so that an interrupted save leaves the previous checkpoint whole."""
     partial = path.with_suffix(".partial")
-    torch.save({"step": len(log["steps"]), "model": model.state_dict(), "optimizer": optimizer.state_dict(), "log": log}, partial)
+    torch.save(
+        {"step": len(log["steps"]), "model": model.state_dict(), "optimizer": optimizer.state_dict(), "log": log},
+        partial,
+    )
     partial.replace(path)
     (path.parent / TRAIN_LOG).write_text(json.dumps(log, indent=1))
 
@@ -186,15 +195,35 @@ def export(model, out: Path, tokenizer_source: Path | None = None) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvpolicy.train_pod", description=__doc__.split("\n")[0])
     add_model_arguments(parser, length=1024)
-    parser.add_argument("--groups", type=Path, default=DEFAULT_GROUPS, help=f"grouping JSON from calibrate_pod (default {DEFAULT_GROUPS})")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output HF folder, checkpoint and log (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--groups",
+        type=Path,
+        default=DEFAULT_GROUPS,
+        help=f"grouping JSON from calibrate_pod (default {DEFAULT_GROUPS})",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output HF folder, checkpoint and log (default {DEFAULT_OUT})"
+    )
     parser.add_argument("--steps", type=int, default=200, help="training steps, one window each (default 200)")
-    parser.add_argument("--sink-tokens", type=int, default=16, help="n_s, initial proximal tokens (default 16, the paper's)")
-    parser.add_argument("--recent-tokens", type=int, default=128, help="n_r, recent proximal tokens (default 128; the paper's 4080)")
-    parser.add_argument("--lr", type=float, default=1e-5, help="peak AdamW learning rate, cosine to 0 (default 1e-5, the paper's)")
+    parser.add_argument(
+        "--sink-tokens", type=int, default=16, help="n_s, initial proximal tokens (default 16, the paper's)"
+    )
+    parser.add_argument(
+        "--recent-tokens", type=int, default=128, help="n_r, recent proximal tokens (default 128; the paper's 4080)"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=1e-5, help="peak AdamW learning rate, cosine to 0 (default 1e-5, the paper's)"
+    )
     parser.add_argument("--save-every", type=int, default=20, help="steps between checkpoints (default 20)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.length < 2 or args.sink_tokens < 0 or args.recent_tokens < 1 or args.lr <= 0 or args.save_every < 1:
+    if (
+        args.steps < 1
+        or args.length < 2
+        or args.sink_tokens < 0
+        or args.recent_tokens < 1
+        or args.lr <= 0
+        or args.save_every < 1
+    ):
         parser.error("--steps, --recent-tokens, --save-every >= 1, --length >= 2, --sink-tokens >= 0 and --lr > 0")
     return args
 
@@ -208,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     groups = LayerGroups.load(args.groups)
     shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
     if (groups.num_layers, groups.num_heads) != shape:
-        raise SystemExit(f"{args.groups} groups {groups.num_layers} layers x {groups.num_heads} KV heads; the model has {shape[0]} x {shape[1]}")
+        raise SystemExit(
+            f"{args.groups} groups {groups.num_layers} layers x {groups.num_heads} KV heads; the model has {shape[0]} x {shape[1]}"
+        )
     sharing = SharedAttention(groups, args.sink_tokens, args.recent_tokens)
 
     held_out = torch.tensor([token_ids[-args.length :]])
@@ -242,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / TRAIN_LOG).write_text(json.dumps(log, indent=1))
 
     for when in ("before", "after"):
-        print(f"held-out loss {when}: full attention {log[when]['full_attention']:.4f}, with sharing {log[when]['sharing']:.4f}")
+        print(
+            f"held-out loss {when}: full attention {log[when]['full_attention']:.4f}, with sharing {log[when]['sharing']:.4f}"
+        )
     per_step = [step["seconds"] for step in log["steps"]]
     print(f"wrote {args.out} ({len(per_step)} steps, {sum(per_step) / len(per_step):.1f} s/step)")
     return 0

@@ -33,7 +33,7 @@ def reference_scores(keys, queries, window, kernel):
                 total = sum(exps)
                 for j in range(prefix):
                     summed[j] += exps[j] / total
-            pooled = [max(summed[max(0, j - kernel // 2): j + kernel // 2 + 1]) for j in range(prefix)]
+            pooled = [max(summed[max(0, j - kernel // 2) : j + kernel // 2 + 1]) for j in range(prefix)]
             for j in range(prefix):
                 scores[h, j] += pooled[j] / G
     return scores

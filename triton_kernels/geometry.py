@@ -35,24 +35,42 @@ class PageGeometry:
     v_dim_stride: int
 
     @classmethod
-    def head_major(cls, cache: torch.Tensor) -> "PageGeometry":
+    def head_major(cls, cache: torch.Tensor) -> PageGeometry:
         """A cache [blocks, kv_heads, block_size, 2 * head_size] whose pages hold K then V, row-major."""
         _, heads, block_size, width = cache.shape
         head_size = width // 2
         block_stride, head_stride, token_stride, dim_stride = cache.stride()
         return cls(
-            block_size, head_size, heads, block_stride, head_stride,
-            0, token_stride, dim_stride, head_size * dim_stride, token_stride, dim_stride,
+            block_size,
+            head_size,
+            heads,
+            block_stride,
+            head_stride,
+            0,
+            token_stride,
+            dim_stride,
+            head_size * dim_stride,
+            token_stride,
+            dim_stride,
         )
 
     @classmethod
-    def split_kv(cls, cache: torch.Tensor) -> "PageGeometry":
+    def split_kv(cls, cache: torch.Tensor) -> PageGeometry:
         """A cache [blocks, 2, block_size, kv_heads, head_size] (K then V along dim 1), any strides."""
         _, _, block_size, heads, head_size = cache.shape
         block_stride, kv_stride, token_stride, head_stride, dim_stride = cache.stride()
         return cls(
-            block_size, head_size, heads, block_stride, head_stride,
-            0, token_stride, dim_stride, kv_stride, token_stride, dim_stride,
+            block_size,
+            head_size,
+            heads,
+            block_stride,
+            head_stride,
+            0,
+            token_stride,
+            dim_stride,
+            kv_stride,
+            token_stride,
+            dim_stride,
         )
 
     def element_index(self, slots: torch.Tensor, value: bool = False) -> torch.Tensor:
@@ -73,9 +91,16 @@ class PageGeometry:
     def addressing(self) -> tuple[int, ...]:
         """The ints a kernel addresses pages with, in the order every kernel here takes them."""
         return (
-            self.block_size, self.heads_per_block, self.block_stride, self.head_stride,
-            self.k_offset, self.k_token_stride, self.k_dim_stride,
-            self.v_offset, self.v_token_stride, self.v_dim_stride,
+            self.block_size,
+            self.heads_per_block,
+            self.block_stride,
+            self.head_stride,
+            self.k_offset,
+            self.k_token_stride,
+            self.k_dim_stride,
+            self.v_offset,
+            self.v_token_stride,
+            self.v_dim_stride,
         )
 
     def key_addressing(self) -> tuple[int, ...]:

@@ -22,11 +22,33 @@ BLOCK_N = 128
 
 @triton.jit
 def _group_logits_kernel(
-    out_ptr, query_ptr, cache_ptr, token_of_ptr, head_of_ptr, page_table_ptr, lengths_ptr,
-    out_stride_s, out_stride_h, q_stride_t, q_stride_h, q_stride_d, table_stride,
-    scale, group,
-    block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride,
-    HEAD_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LOW_PRECISION: tl.constexpr,
+    out_ptr,
+    query_ptr,
+    cache_ptr,
+    token_of_ptr,
+    head_of_ptr,
+    page_table_ptr,
+    lengths_ptr,
+    out_stride_s,
+    out_stride_h,
+    q_stride_t,
+    q_stride_h,
+    q_stride_d,
+    table_stride,
+    scale,
+    group,
+    block_size,
+    heads_per_block,
+    block_stride,
+    head_stride,
+    k_offset,
+    k_token_stride,
+    k_dim_stride,
+    HEAD_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOW_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1).to(tl.int64) * BLOCK_N
@@ -38,8 +60,11 @@ def _group_logits_kernel(
     head_ok = tl.arange(0, ROWS) < group
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    q = tl.load(query_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :] * q_stride_d,
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        query_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :] * q_stride_d,
+        mask=head_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     keys = first + tl.arange(0, BLOCK_N)
     key_ok = keys < length
     page = tl.load(page_table_ptr + seq * table_stride + keys // block_size, mask=key_ok, other=0).to(tl.int64)
@@ -48,16 +73,32 @@ def _group_logits_kernel(
         k_mask = key_ok[:, None]
     else:
         k_mask = key_ok[:, None] & dim_ok[None, :]
-    k = tl.load(cache_ptr + slot_offsets(page * block_size + keys % block_size, dims, block_size, heads_per_block,
-                                         block_stride, head_stride, k_offset, k_token_stride, k_dim_stride),
-                mask=k_mask, other=0.0)
+    k = tl.load(
+        cache_ptr
+        + slot_offsets(
+            page * block_size + keys % block_size,
+            dims,
+            block_size,
+            heads_per_block,
+            block_stride,
+            head_stride,
+            k_offset,
+            k_token_stride,
+            k_dim_stride,
+        ),
+        mask=k_mask,
+        other=0.0,
+    )
     if LOW_PRECISION:
         logits = tl.dot(q.to(k.dtype), tl.trans(k))
     else:
         logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     rows = tl.arange(0, ROWS)
-    tl.store(out_ptr + seq * out_stride_s + rows[:, None] * out_stride_h + keys[None, :], logits * scale,
-             mask=head_ok[:, None] & key_ok[None, :])
+    tl.store(
+        out_ptr + seq * out_stride_s + rows[:, None] * out_stride_h + keys[None, :],
+        logits * scale,
+        mask=head_ok[:, None] & key_ok[None, :],
+    )
 
 
 def group_logits(
@@ -80,11 +121,24 @@ def group_logits(
         return out
     low_precision = dot_in_cache_dtype(cache)
     _group_logits_kernel[(seqs, triton.cdiv(out.shape[2], BLOCK_N))](
-        out, query, cache, token_of, head_of, page_table, lengths,
-        out.stride(0), out.stride(1), *query.stride(), page_table.stride(0),
-        scale, group,
+        out,
+        query,
+        cache,
+        token_of,
+        head_of,
+        page_table,
+        lengths,
+        out.stride(0),
+        out.stride(1),
+        *query.stride(),
+        page_table.stride(0),
+        scale,
+        group,
         *geom.key_addressing(),
-        HEAD_SIZE=geom.head_size, ROWS=max(16, triton.next_power_of_2(group)),
-        HEAD_PAD=max(16, triton.next_power_of_2(geom.head_size)), BLOCK_N=BLOCK_N, LOW_PRECISION=low_precision,
+        HEAD_SIZE=geom.head_size,
+        ROWS=max(16, triton.next_power_of_2(group)),
+        HEAD_PAD=max(16, triton.next_power_of_2(geom.head_size)),
+        BLOCK_N=BLOCK_N,
+        LOW_PRECISION=low_precision,
     )
     return out

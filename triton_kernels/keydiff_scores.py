@@ -17,15 +17,27 @@ EPS = 1e-12
 
 
 @triton.jit
-def _unit_keys(keys_ptr, head, stride_h, stride_n, stride_d, start, count, head_size, eps,
-               KEY_TILE: tl.constexpr, HEAD_PAD: tl.constexpr):
+def _unit_keys(
+    keys_ptr,
+    head,
+    stride_h,
+    stride_n,
+    stride_d,
+    start,
+    count,
+    head_size,
+    eps,
+    KEY_TILE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
     """Keys ``start .. start + KEY_TILE`` of ``head`` divided by max(norm, eps), zero rows past ``count``."""
     positions = start + tl.arange(0, KEY_TILE)
     dims = tl.arange(0, HEAD_PAD)
     live = positions < count
     k = tl.load(
         keys_ptr + head * stride_h + positions[:, None].to(tl.int64) * stride_n + dims[None, :] * stride_d,
-        mask=live[:, None] & (dims < head_size)[None, :], other=0.0,
+        mask=live[:, None] & (dims < head_size)[None, :],
+        other=0.0,
     ).to(tl.float32)
     norm = tl.maximum(tl.sqrt(tl.sum(k * k, axis=1)), eps)
     return k / norm[:, None], positions, live
@@ -33,14 +45,23 @@ def _unit_keys(keys_ptr, head, stride_h, stride_n, stride_d, start, count, head_
 
 @triton.jit
 def _keydiff_anchor_kernel(
-    keys_ptr, anchor_ptr, stride_h, stride_n, stride_d, count, head_size, eps,
-    KEY_TILE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    keys_ptr,
+    anchor_ptr,
+    stride_h,
+    stride_n,
+    stride_d,
+    count,
+    head_size,
+    eps,
+    KEY_TILE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     head = tl.program_id(0).to(tl.int64)
     total = tl.zeros((HEAD_PAD,), tl.float32)
     for start in range(0, count, KEY_TILE):
-        unit, positions, live = _unit_keys(keys_ptr, head, stride_h, stride_n, stride_d, start, count, head_size,
-                                           eps, KEY_TILE, HEAD_PAD)
+        unit, positions, live = _unit_keys(
+            keys_ptr, head, stride_h, stride_n, stride_d, start, count, head_size, eps, KEY_TILE, HEAD_PAD
+        )
         total += tl.sum(unit, axis=0)
     mean = total / count
     anchor = mean / tl.maximum(tl.sqrt(tl.sum(mean * mean, axis=0)), eps)
@@ -50,12 +71,32 @@ def _keydiff_anchor_kernel(
 
 @triton.jit
 def _keydiff_score_kernel(
-    keys_ptr, anchor_ptr, scores_ptr, stride_h, stride_n, stride_d, count, head_size, eps,
-    KEY_TILE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    keys_ptr,
+    anchor_ptr,
+    scores_ptr,
+    stride_h,
+    stride_n,
+    stride_d,
+    count,
+    head_size,
+    eps,
+    KEY_TILE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     head = tl.program_id(0).to(tl.int64)
-    unit, positions, live = _unit_keys(keys_ptr, head, stride_h, stride_n, stride_d, tl.program_id(1) * KEY_TILE,
-                                       count, head_size, eps, KEY_TILE, HEAD_PAD)
+    unit, positions, live = _unit_keys(
+        keys_ptr,
+        head,
+        stride_h,
+        stride_n,
+        stride_d,
+        tl.program_id(1) * KEY_TILE,
+        count,
+        head_size,
+        eps,
+        KEY_TILE,
+        HEAD_PAD,
+    )
     anchor = tl.load(anchor_ptr + head * HEAD_PAD + tl.arange(0, HEAD_PAD))
     tl.store(scores_ptr + head * count + positions, -tl.sum(unit * anchor[None, :], axis=1), mask=live)
 

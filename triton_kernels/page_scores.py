@@ -31,9 +31,15 @@ def context_token_scores(
     rows, kv_heads, pages = page_ids.shape
     group = query.shape[1] // kv_heads
     logits = group_logits(
-        query, cache, geom, token_idx.repeat_interleave(kv_heads),
-        torch.arange(kv_heads, device=query.device).repeat(rows), page_ids.reshape(rows * kv_heads, pages),
-        lengths.repeat_interleave(kv_heads), scale, group,
+        query,
+        cache,
+        geom,
+        token_idx.repeat_interleave(kv_heads),
+        torch.arange(kv_heads, device=query.device).repeat(rows),
+        page_ids.reshape(rows * kv_heads, pages),
+        lengths.repeat_interleave(kv_heads),
+        scale,
+        group,
     )
     return logits.softmax(dim=-1).view(rows, kv_heads * group, -1).amax(dim=1)
 

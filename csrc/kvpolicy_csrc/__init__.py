@@ -33,7 +33,9 @@ def prompt_attention(
 def new_token_weights(query, cache, geom, token_of, head_of, page_table, seq_lens, scale, num_kv_heads) -> torch.Tensor:
     """Per sequence, its new token's softmax weights over its pages, its query heads averaged,
     [sequences, pages * block_size] float32. Reference: ``kvpolicy_triton.new_token_weights_reference``."""
-    return _C.new_token_weights(query, cache, list(geom.key_addressing()), token_of, head_of, page_table, seq_lens, scale, num_kv_heads)
+    return _C.new_token_weights(
+        query, cache, list(geom.key_addressing()), token_of, head_of, page_table, seq_lens, scale, num_kv_heads
+    )
 
 
 def context_token_scores(query, cache, geom, token_idx, page_ids, lengths, scale) -> torch.Tensor:

@@ -27,8 +27,14 @@ class BlockPages:
     Subclasses say which pages they use (``pages_in_use``).
     """
 
-    def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int],
-                 order: Sequence[int] | None = None):
+    def __init__(
+        self,
+        layer_base: Sequence[int],
+        num_heads: int,
+        block_size: int,
+        blocks: Sequence[int],
+        order: Sequence[int] | None = None,
+    ):
         """``order``: the block-table positions the request may write, in the order it fills them;
         by default every block, in table order."""
         self.layer_base = list(layer_base)

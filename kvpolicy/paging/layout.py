@@ -29,7 +29,7 @@ class PageLayout:
         return 2 * self.block_size * self.head_size
 
     @classmethod
-    def from_token_and_dim_maps(cls, token_of: torch.Tensor, dim_of: torch.Tensor) -> "PageLayout":
+    def from_token_and_dim_maps(cls, token_of: torch.Tensor, dim_of: torch.Tensor) -> PageLayout:
         """Build from a probed page: element e holds (token_of[e], dim_of[e]).
 
         ``token_of`` and ``dim_of`` are [2 * block_size * head_size] integer
@@ -60,7 +60,11 @@ class PageLayout:
         return flat[self._element_index(slots, self.k_offsets)], flat[self._element_index(slots, self.v_offsets)]
 
     def _affine(self, offsets: torch.Tensor) -> tuple[int, int, int] | None:
-        start, token_stride, dim_stride = int(offsets[0, 0]), int(offsets[-1, 0] - offsets[0, 0]), int(offsets[0, -1] - offsets[0, 0])
+        start, token_stride, dim_stride = (
+            int(offsets[0, 0]),
+            int(offsets[-1, 0] - offsets[0, 0]),
+            int(offsets[0, -1] - offsets[0, 0]),
+        )
         token_stride //= max(self.block_size - 1, 1)
         dim_stride //= max(self.head_size - 1, 1)
         grid = start + torch.arange(self.block_size)[:, None] * token_stride + torch.arange(self.head_size) * dim_stride

@@ -63,12 +63,12 @@ class PageCopies:
     dst: torch.Tensor
 
     @classmethod
-    def of(cls, pairs: Sequence[tuple[int, int]]) -> "PageCopies":
+    def of(cls, pairs: Sequence[tuple[int, int]]) -> PageCopies:
         src, dst = zip(*pairs) if pairs else ((), ())
         return cls(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
 
     @classmethod
-    def cat(cls, parts: Sequence["PageCopies"]) -> "PageCopies":
+    def cat(cls, parts: Sequence[PageCopies]) -> PageCopies:
         return cls(torch.cat([part.src for part in parts]), torch.cat([part.dst for part in parts]))
 
     def apply(self, source: torch.Tensor, target: torch.Tensor) -> int:
@@ -146,8 +146,11 @@ class OffloadedRequest(BlockPages):
         keep = self.order[: self.blocks_needed(length, staging_pages)]
         staying = {
             self._page(layer, self.blocks[i], h)
-            for layer in range(self.num_layers) if self.full[layer]
-            for h in range(heads) for i in keep if i < num_pages
+            for layer in range(self.num_layers)
+            if self.full[layer]
+            for h in range(heads)
+            for i in keep
+            if i < num_pages
         }
         free = [p for i in keep for p in self._block_pages(self.blocks[i]) if p not in staying]
         free.reverse()

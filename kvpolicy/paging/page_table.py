@@ -27,8 +27,14 @@ import torch
 from kvpolicy.paging.block_pages import drop_blocks
 
 
-def stock_slots(blocks: torch.Tensor, num_heads: int, block_size: int, positions: torch.Tensor,
-                heads: torch.Tensor, first_page: int = 0) -> torch.Tensor:
+def stock_slots(
+    blocks: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    positions: torch.Tensor,
+    heads: torch.Tensor,
+    first_page: int = 0,
+) -> torch.Tensor:
     """[heads, positions] one-head slots of a request's tokens in vLLM's stock layout: token i of
     head h in page ``first_page + blocks[i // block_size] * num_heads + h`` (``first_page``: the
     layer's first page when pages index vLLM's whole KV buffer)."""
@@ -66,8 +72,15 @@ class TokenMoves:
 class RequestPages:
     """Per-(layer, kv head) pages and physical lengths of one request."""
 
-    def __init__(self, num_layers: int, num_heads: int, block_size: int, blocks: Sequence[int],
-                 order: Sequence[int] | None = None, layer_base: Sequence[int] | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_heads: int,
+        block_size: int,
+        blocks: Sequence[int],
+        order: Sequence[int] | None = None,
+        layer_base: Sequence[int] | None = None,
+    ):
         """``order``: the block-table positions relocation may write, in the order it fills them
         (``write_order``); by default every block, in table order. ``layer_base``: each layer's first
         page in vLLM's whole KV buffer: page ids then index that buffer and every layer draws on one
@@ -79,9 +92,7 @@ class RequestPages:
         self.layer_base = list(layer_base) if self.pools_layers else [0] * num_layers
         self.blocks: list[int | None] = []  # by vLLM block-table position; None once released
         self.lengths = np.zeros((num_layers, num_heads), dtype=np.int64)
-        self.head_pages: list[list[list[int]]] = [
-            [[] for _ in range(num_heads)] for _ in range(num_layers)
-        ]
+        self.head_pages: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(num_layers)]
         self.free: list[list[int]] = [[] for _ in range(1 if self.pools_layers else num_layers)]  # by pool
         self._keys: list[dict[int, int] | None] = [None] * len(self.free)  # ``_write_keys``; None once blocks change
         self.relocated = [False] * num_layers
@@ -125,8 +136,11 @@ class RequestPages:
         block), made once until the request's blocks change: every layer's relocation sorts by it."""
         if self._keys[pool] is None:
             per_block = self._per_block(pool)
-            self._keys[pool] = {p: i * per_block + j for i, pos in enumerate(self._live_order())
-                                for j, p in enumerate(self._pages_of(self.blocks[pos], pool))}
+            self._keys[pool] = {
+                p: i * per_block + j
+                for i, pos in enumerate(self._live_order())
+                for j, p in enumerate(self._pages_of(self.blocks[pos], pool))
+            }
         return self._keys[pool]
 
     def _held(self, layer: int) -> list[int]:
@@ -173,7 +187,9 @@ class RequestPages:
         pool = sorted(candidates, key=keys.__getitem__)
         needed = [math.ceil(n / self.block_size) for n in counts]
         if sum(needed) > len(pool):
-            raise ValueError(f"layer {layer} keeps more tokens than the request's {len(self.order)} writable blocks hold")
+            raise ValueError(
+                f"layer {layer} keeps more tokens than the request's {len(self.order)} writable blocks hold"
+            )
         dst, cursor = [], 0
         for head, (n, n_pages) in enumerate(zip(counts, needed)):
             self.head_pages[layer][head] = pool[cursor : cursor + n_pages]
@@ -219,8 +235,12 @@ class RequestPages:
         if not (self.pools_layers and all(self.relocated)):
             raise RuntimeError("pack needs pages pooled across layers (layer_base), every layer relocated")
         keys = self._write_keys(0)
-        held = [(layer, head, i, page) for layer in range(self.num_layers) for head in range(self.num_heads)
-                for i, page in enumerate(self.head_pages[layer][head])]
+        held = [
+            (layer, head, i, page)
+            for layer in range(self.num_layers)
+            for head in range(self.num_heads)
+            for i, page in enumerate(self.head_pages[layer][head])
+        ]
         per_block = self._per_block(0)
         end = math.ceil(len(held) / per_block) * per_block  # the keys of the pages of the fewest blocks
         holes = iter(p for p in self.free[0] if keys[p] < end)

@@ -46,8 +46,15 @@ class SharedLayoutPlan:
 class SharedPages(BlockPages):
     """Where each (layer, kv head) of one PoD request lives: main K/V pages and packed distant values."""
 
-    def __init__(self, layer_base: Sequence[int], num_heads: int, block_size: int, blocks: Sequence[int],
-                 keeps_distant_keys: np.ndarray, order: Sequence[int] | None = None):
+    def __init__(
+        self,
+        layer_base: Sequence[int],
+        num_heads: int,
+        block_size: int,
+        blocks: Sequence[int],
+        keeps_distant_keys: np.ndarray,
+        order: Sequence[int] | None = None,
+    ):
         """``keeps_distant_keys`` [layers, heads]: the (layer, head) pairs that are the lowest of their block."""
         super().__init__(layer_base, num_heads, block_size, blocks, order)
         self.keeps_keys = np.asarray(keeps_distant_keys, dtype=bool)
@@ -122,7 +129,9 @@ class SharedPages(BlockPages):
             if not self.free:
                 raise RuntimeError("no free page left: the PoD request outgrew its blocks")
             self.main[layer][h].append(self.free.pop())
-        pages = np.array([[heads[h][n // bs] for h, n in enumerate(lengths)] for heads, lengths in zip(self.main, self.lengths)])
+        pages = np.array(
+            [[heads[h][n // bs] for h, n in enumerate(lengths)] for heads, lengths in zip(self.main, self.lengths)]
+        )
         slots = pages * bs + self.lengths % bs
         self.lengths += 1
         return torch.from_numpy(slots)

@@ -15,7 +15,21 @@ from kvpolicy.policies.streaming import StreamingLLM
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (NoPolicy, IdentityPolicy, SnapKV, AdaSnapKV, PyramidKV, AdaPyramid, AdaMix, StreamingLLM, KeyDiff, H2O, D2O, OmniKV, PoD)
+    for cls in (
+        NoPolicy,
+        IdentityPolicy,
+        SnapKV,
+        AdaSnapKV,
+        PyramidKV,
+        AdaPyramid,
+        AdaMix,
+        StreamingLLM,
+        KeyDiff,
+        H2O,
+        D2O,
+        OmniKV,
+        PoD,
+    )
 }
 
 

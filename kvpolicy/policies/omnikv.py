@@ -46,7 +46,9 @@ def selector_weights(selector: str, window: int, device: torch.device) -> torch.
     raise ValueError(f"unknown OmniKV selector {selector!r}; choose one of {', '.join(SELECTORS)}")
 
 
-def context_scores(queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor, selector: str = "last") -> torch.Tensor:
+def context_scores(
+    queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor, selector: str = "last"
+) -> torch.Tensor:
     """Eq. (3)-(4) for a batch of sequences: [batch, n] scores, 0 past each sequence's length.
 
     ``queries``: [batch, q_heads, window, D], the last ``window`` tokens of each

@@ -105,16 +105,16 @@ class LayerGroups:
         return shared / (self.num_layers * self.num_heads)
 
     @classmethod
-    def single_layers(cls, num_layers: int, num_heads: int) -> "LayerGroups":
+    def single_layers(cls, num_layers: int, num_heads: int) -> LayerGroups:
         """Every layer its own block: nothing is shared (PoD equals the full cache)."""
         return cls(tuple(tuple((layer,) for layer in range(num_layers)) for _ in range(num_heads)))
 
     @classmethod
-    def of(cls, blocks) -> "LayerGroups":
+    def of(cls, blocks) -> LayerGroups:
         return cls(tuple(tuple(tuple(int(layer) for layer in block) for block in head) for head in blocks))
 
     @classmethod
-    def load(cls, path: str | Path) -> "LayerGroups":
+    def load(cls, path: str | Path) -> LayerGroups:
         return cls.of(json.loads(Path(path).read_text())["blocks"])
 
 

@@ -24,8 +24,8 @@ from kvpolicy.vllm.internals import (
     InputProcessor,
     KVTransferConfig,
     SamplingParams,
-    VLLMValidationError,
     VllmConfig,
+    VLLMValidationError,
     current_platform,
 )
 
@@ -45,10 +45,15 @@ _PATCHED = "_kvpolicy_patched"
 
 
 #: Options only one policy takes: a single value is judged as that policy's (the whole config is judged later).
-_OPTION_POLICY = {"merge": {"policy": "d2o", "budget": 256}, "offload": {"policy": "omnikv", "budget": 256},
-                  "alpha": {"policy": "adamix", "budget": 256}, "mix": {"policy": "adamix", "budget": 256},
-                  "combine": {"policy": "adamix", "budget": 256}, "pod_tau": {"policy": "pod"},
-                  "pod_groups": {"policy": "pod"}}
+_OPTION_POLICY = {
+    "merge": {"policy": "d2o", "budget": 256},
+    "offload": {"policy": "omnikv", "budget": 256},
+    "alpha": {"policy": "adamix", "budget": 256},
+    "mix": {"policy": "adamix", "budget": 256},
+    "combine": {"policy": "adamix", "budget": 256},
+    "pod_tau": {"policy": "pod"},
+    "pod_groups": {"policy": "pod"},
+}
 
 
 def _option_type(name: str, convert):
@@ -81,7 +86,9 @@ def _layer_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,8,18; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices such as 2,8,18; got {text!r}"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,41 +101,100 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("budget", int, None, "tokens kept per KV head after the prompt"),
         ("ratio", float, None, "fraction of prompt tokens kept (instead of --kv-budget)"),
         ("window", int, defaults.window, "observation window: last prompt queries that score tokens"),
-        ("pool_kernel", int, None,
-         "max-pooling kernel over token scores (default: 7, SnapKV's; adamix 15, which keeps a whole 7-digit number)"),
-        ("sink_tokens", int, None, "attention-sink tokens always kept (default: streaming, d2o 4; pod 16, the paper's n_s)"),
-        ("recent_tokens", int, None,
-         "most recent tokens always kept (default: h2o 64; pod 1008, proximal = 1/8 of the default model's 8K "
-         "context as the paper's 4096 of 32K)"),
-        ("merge", _boolean, defaults.merge, "d2o: merge evicted tokens into their nearest kept ones (false: evict only)"),
-        ("alpha", float, defaults.alpha,
-         "adasnap, adapyramid, adamix: Ada-KV's safeguard, the share of a head's capacity it always gets "
-         "(1: the same count for every head)"),
+        (
+            "pool_kernel",
+            int,
+            None,
+            "max-pooling kernel over token scores (default: 7, SnapKV's; adamix 15, which keeps a whole 7-digit number)",
+        ),
+        (
+            "sink_tokens",
+            int,
+            None,
+            "attention-sink tokens always kept (default: streaming, d2o 4; pod 16, the paper's n_s)",
+        ),
+        (
+            "recent_tokens",
+            int,
+            None,
+            "most recent tokens always kept (default: h2o 64; pod 1008, proximal = 1/8 of the default model's 8K "
+            "context as the paper's 4096 of 32K)",
+        ),
+        (
+            "merge",
+            _boolean,
+            defaults.merge,
+            "d2o: merge evicted tokens into their nearest kept ones (false: evict only)",
+        ),
+        (
+            "alpha",
+            float,
+            defaults.alpha,
+            "adasnap, adapyramid, adamix: Ada-KV's safeguard, the share of a head's capacity it always gets "
+            "(1: the same count for every head)",
+        ),
         ("mix", float, defaults.mix, "adamix: KeyDiff's share of the blended scores (0: adasnap's, 1: KeyDiff's)"),
-        ("combine", str, defaults.combine,
-         "adamix: blend (the two ranks weighted by --kv-mix) or union (a token's better rank: kept if either score keeps it)"),
-        ("filter_layers", _layer_list, None,
-         "omnikv: layers that select the context of the layers after them, e.g. 2,8,18 "
-         f"(default {','.join(map(str, defaults.filter_layers))}: calibrated for SmolLM2-135M)"),
-        ("dense_layers", int, None, f"omnikv: layers below this always attend to everything (default {defaults.dense_layers})"),
-        ("pod_tau", float, None,
-         "pod: skip a layer's distant tokens when the proximal share of its gate (eq. 4) is at least this "
-         "(the paper's 0.7 trades 5%% quality for 25%% of the distant compute; default: never skip)"),
-        ("pod_groups", str, None,
-         "pod: the layer grouping JSON of `python -m kvpolicy.calibrate_pod` (default: the one shipped for SmolLM2-135M)"),
-        ("reserve_growth", _boolean, defaults.reserve_growth,
-         "admit a request only if the blocks compressed requests will still grow by (up to their max_tokens) stay "
-         "free besides, so they are not preempted (false: vLLM's admission by prompt)"),
-        ("tp_allocation", str, defaults.tp_allocation,
-         "with --tensor-parallel-size: exact (Ada-KV's layer-wide allocation over every rank's heads, gathered: "
-         "the kept tokens of one GPU) or rank (each rank allocates over its own heads, no collective)"),
-        ("page_pool", str, None,
-         "where a compressed request's layers take pages: model (one pool over every layer of its blocks, so a "
-         "layer that keeps more borrows the others' pages; the CPU default) or layer (each layer within its own "
-         "part of the blocks; the CUDA default and only choice)"),
-        ("offload", float, None,
-         "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
-         "the full-attention layers and the pages loaded for each step"),
+        (
+            "combine",
+            str,
+            defaults.combine,
+            "adamix: blend (the two ranks weighted by --kv-mix) or union (a token's better rank: kept if either score keeps it)",
+        ),
+        (
+            "filter_layers",
+            _layer_list,
+            None,
+            "omnikv: layers that select the context of the layers after them, e.g. 2,8,18 "
+            f"(default {','.join(map(str, defaults.filter_layers))}: calibrated for SmolLM2-135M)",
+        ),
+        (
+            "dense_layers",
+            int,
+            None,
+            f"omnikv: layers below this always attend to everything (default {defaults.dense_layers})",
+        ),
+        (
+            "pod_tau",
+            float,
+            None,
+            "pod: skip a layer's distant tokens when the proximal share of its gate (eq. 4) is at least this "
+            "(the paper's 0.7 trades 5%% quality for 25%% of the distant compute; default: never skip)",
+        ),
+        (
+            "pod_groups",
+            str,
+            None,
+            "pod: the layer grouping JSON of `python -m kvpolicy.calibrate_pod` (default: the one shipped for SmolLM2-135M)",
+        ),
+        (
+            "reserve_growth",
+            _boolean,
+            defaults.reserve_growth,
+            "admit a request only if the blocks compressed requests will still grow by (up to their max_tokens) stay "
+            "free besides, so they are not preempted (false: vLLM's admission by prompt)",
+        ),
+        (
+            "tp_allocation",
+            str,
+            defaults.tp_allocation,
+            "with --tensor-parallel-size: exact (Ada-KV's layer-wide allocation over every rank's heads, gathered: "
+            "the kept tokens of one GPU) or rank (each rank allocates over its own heads, no collective)",
+        ),
+        (
+            "page_pool",
+            str,
+            None,
+            "where a compressed request's layers take pages: model (one pool over every layer of its blocks, so a "
+            "layer that keeps more borrows the others' pages; the CPU default) or layer (each layer within its own "
+            "part of the blocks; the CUDA default and only choice)",
+        ),
+        (
+            "offload",
+            float,
+            None,
+            "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
+            "the full-attention layers and the pages loaded for each step",
+        ),
     ]
     for name, convert, default, help_text in options:
         group.add_argument(
@@ -145,7 +211,9 @@ def config_from_options(options: dict) -> KVPolicyConfig | None:
     given = {OPTION_FIELDS[k]: v for k, v in options.items() if k in OPTION_FIELDS and v is not None}
     if "policy" not in given:
         defaults = KVPolicyConfig().to_dict()
-        stray = sorted(f"--{k.replace('_', '-')}" for k, f in OPTION_FIELDS.items() if f in given and given[f] != defaults[f])
+        stray = sorted(
+            f"--{k.replace('_', '-')}" for k, f in OPTION_FIELDS.items() if f in given and given[f] != defaults[f]
+        )
         if stray:
             raise KVPolicyConfigError(f"{', '.join(stray)} need --kv-policy")
         return None
@@ -167,9 +235,7 @@ def _store(engine_args: EngineArgs, config: KVPolicyConfig | None) -> None:
 def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> None:
     """Point vLLM at our connector and worker; refuse combinations we cannot serve."""
     if engine_args.kv_transfer_config is not None:
-        raise KVPolicyConfigError(
-            "--kv-policy installs its own KV connector; drop --kv-transfer-config"
-        )
+        raise KVPolicyConfigError("--kv-policy installs its own KV connector; drop --kv-transfer-config")
     worker_cls = _platform_worker(engine_args, config)
     # vLLM's asynchronous scheduler (its CUDA default) schedules a step before it reads the step
     # before's report; a request admitted then may hit the prefix cache on blocks that step relocated
@@ -187,9 +253,7 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         if POLICIES[config.policy].evicts_while_reading:
             engine_args.scheduler_reserve_full_isl = False  # admitted by what it holds (kvpolicy/vllm/admission.py)
     if config.changes_attention and engine_args.kv_cache_dtype not in ("auto", None):
-        raise KVPolicyConfigError(
-            f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype"
-        )
+        raise KVPolicyConfigError(f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype")
     # Our connector moves no KV between hosts: keep vLLM's stock core reservation
     # (one per local rank) instead of the extra core it reserves for any connector.
     ranks = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
@@ -273,7 +337,9 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
         try:
             config.make_policy().source_layers(num_layers)
         except ValueError as exc:
-            raise KVPolicyConfigError(f"{exc}; run `python -m kvpolicy.calibrate --model {model_config.model}`") from None
+            raise KVPolicyConfigError(
+                f"{exc}; run `python -m kvpolicy.calibrate --model {model_config.model}`"
+            ) from None
         if config.ratio is not None:
             config.sparse_budget(model_config.max_model_len, num_layers)
     if POLICIES[config.policy].shares_scores:
@@ -288,7 +354,9 @@ def _check_pod_groups(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
             "--kv-policy pod runs on vLLM's CPU platform in this release (its torch decode path was not run on a GPU)"
         )
     if vllm_config.parallel_config.tensor_parallel_size > 1:
-        raise KVPolicyConfigError("--kv-policy pod does not support tensor parallelism yet; drop --tensor-parallel-size")
+        raise KVPolicyConfigError(
+            "--kv-policy pod does not support tensor parallelism yet; drop --tensor-parallel-size"
+        )
     groups = config.make_policy().layer_groups()
     num_layers = model_config.get_num_layers(vllm_config.parallel_config)
     num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
@@ -338,7 +406,11 @@ def patch_engine_args() -> None:
     def _validate_params(self, params, *args, **kwargs):
         result = original_validate(self, params, *args, **kwargs)
         config = stored_config(self.vllm_config.additional_config)
-        if isinstance(params, SamplingParams) and config is not None and not POLICIES[config.policy].reads_prefix_cache():
+        if (
+            isinstance(params, SamplingParams)
+            and config is not None
+            and not POLICIES[config.policy].reads_prefix_cache()
+        ):
             params.skip_reading_prefix_cache = True
         extra = params.extra_args if isinstance(params, SamplingParams) else None
         if extra and any(key.startswith("kv_") for key in extra):

@@ -20,7 +20,7 @@ from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import RelocatingStep, SelectingStep, SharingStep, Step
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layer_index(layer_name: str) -> int:
     """vLLM's index of an attention layer, parsed once per name: every layer asks at every step."""
     return extract_layer_index(layer_name)
@@ -65,7 +65,9 @@ class KVPolicyAttention:
         if token_idx.numel():
             super().do_kv_cache_update(layer, key[token_idx], value[token_idx], kv_cache, slot_mapping[token_idx])
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         step = step_of(attn_metadata)
 
         def stock():

@@ -69,7 +69,7 @@ class BlockReleases(KVConnectorWorkerMetadata):
     keep: dict[str, set[int]]
     seen: dict[str, int]
 
-    def aggregate(self, other: "BlockReleases") -> "BlockReleases":
+    def aggregate(self, other: BlockReleases) -> BlockReleases:
         # Tensor-parallel ranks hold different heads: keep what any rank needs.
         for req_id, keep in other.keep.items():
             self.keep[req_id] = keep | self.keep.get(req_id, set())

@@ -8,12 +8,10 @@ import functools
 from collections.abc import Callable
 
 import torch
-
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import KVTransferConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-from vllm.distributed.parallel_state import get_tp_group
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -23,16 +21,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core import kv_cache_utils
+from vllm.v1.engine.input_processor import InputProcessor
 
 #: Where the CPU platform's attention backend lives; we subclass its pieces.
 CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
@@ -55,7 +54,6 @@ CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 #: the module, with the config first (v1/core/kv_cache_utils.py: check_enough_kv_cache_memory,
 #: get_kv_cache_configs).
 KV_MEMORY_NEEDED_FUNCTIONS = ("max_memory_usage_bytes", "_max_memory_usage_bytes_from_groups")
-
 
 
 def release_blocks_except(kv_cache_manager, req_id: str, keep: set[int], seen: int) -> None:

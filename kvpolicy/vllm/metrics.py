@@ -100,10 +100,18 @@ COUNTERS = {
 
 #: Counters of requests and blocks, which every tensor-parallel rank sees alike: reported by the first rank
 #: only. The others count each rank's own KV heads, and add up across ranks.
-PER_REQUEST = frozenset({
-    "relocated_requests", "compressed_requests", "released_blocks", "eviction_passes", "shared_prefix_uncompressed",
-    "pod_layouts", "offloaded_requests", "offload_refused",
-})
+PER_REQUEST = frozenset(
+    {
+        "relocated_requests",
+        "compressed_requests",
+        "released_blocks",
+        "eviction_passes",
+        "shared_prefix_uncompressed",
+        "pod_layouts",
+        "offloaded_requests",
+        "offload_refused",
+    }
+)
 
 #: stats key -> (Prometheus name, help): the largest value seen, not a sum
 PEAKS = {
@@ -152,7 +160,7 @@ class KVPolicyStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "KVPolicyStats":
+    def aggregate(self, other: KVConnectorStats) -> KVPolicyStats:
         for key, value in other.data.items():
             combine = GAUGES[key][2] if key in GAUGES else max if key in PEAKS else sum
             self.data[key] = combine((self.data.get(key, 0), value))

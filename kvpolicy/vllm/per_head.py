@@ -43,7 +43,9 @@ class PerHeadPath:
 
     def write(self, layer, layer_idx: int, key, value, kv_cache, per_head: PerHeadBatch) -> None:
         """The relocated rows' new K/V into their own pages (the stock rows are written by the platform)."""
-        self.ops.write(layer, WORKER_STATE.relocated_cache(kv_cache), key, value, per_head.rows, per_head.slots[layer_idx])
+        self.ops.write(
+            layer, WORKER_STATE.relocated_cache(kv_cache), key, value, per_head.rows, per_head.slots[layer_idx]
+        )
 
     def attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
         """Stock rows in vLLM's layout, relocated rows per head, summed prompt chunks with their
@@ -169,8 +171,9 @@ class PerHeadPath:
         )
         return prompt, slots
 
-    def _compact(self, layer, kv_cache, layer_idx, relocation, prompt, slots, budget, observation, num_tokens,
-                 num_computed):
+    def _compact(
+        self, layer, kv_cache, layer_idx, relocation, prompt, slots, budget, observation, num_tokens, num_computed
+    ):
         """Pack what the policy keeps of one layer into per-head pages; write back K/V it rewrote.
 
         The policy chooses among the first ``num_tokens``; the rest, up to

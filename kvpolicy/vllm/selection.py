@@ -98,14 +98,19 @@ class SelectionPath:
 
     def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:
         """Copy a sparse layer's selected pages from the host pool into staging; the call that reads them."""
-        calls = [request.sparse_call(layer_idx, rows_pages.tolist()) for request, rows_pages in zip(offloaded.requests, chosen)]
+        calls = [
+            request.sparse_call(layer_idx, rows_pages.tolist())
+            for request, rows_pages in zip(offloaded.requests, chosen)
+        ]
         loads = PageCopies.cat([call.loads for call in calls])
         WORKER_STATE.counters["loaded_kv_pages"] += loads.apply(WORKER_STATE.host.pages, pages.flatten(1))
         heads = len(offloaded.rows.token_of) // len(calls)
         table = padded_table([pages for call in calls for pages in call.table])
         seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
         query_start_loc = torch.arange(len(calls) * heads + 1, dtype=torch.int32)
-        return AttentionBatch(offloaded.token_idx, query_start_loc, seq_lens, table, 1, offloaded.plan(query_start_loc, seq_lens, table))
+        return AttentionBatch(
+            offloaded.token_idx, query_start_loc, seq_lens, table, 1, offloaded.plan(query_start_loc, seq_lens, table)
+        )
 
 
 def _offload(pages, offloads: list[OffloadPlan]) -> None:

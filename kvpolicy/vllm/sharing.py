@@ -90,7 +90,11 @@ class SharingPath:
                         result, _ = attend_shared(own, values[head], None, None)
                     else:
                         result, skipped = attend_shared(
-                            own, values[head], distant_logits, self._distant_values(layer, pages, request, layer_idx, head), tau
+                            own,
+                            values[head],
+                            distant_logits,
+                            self._distant_values(layer, pages, request, layer_idx, head),
+                            tau,
                         )
                         counters["pod_distant_skipped"] += int(skipped.sum())
                 out[token, head * group : (head + 1) * group] = result.to(out.dtype)

@@ -23,7 +23,7 @@ class CarriedState:
     thresholds: list[torch.Tensor | None]
 
     @classmethod
-    def empty(cls, num_layers: int) -> "CarriedState":
+    def empty(cls, num_layers: int) -> CarriedState:
         return cls([0] * num_layers, [None] * num_layers, [None] * num_layers)
 
 
@@ -36,7 +36,7 @@ class PageSpace:
     layer_base: list[int]
 
     @classmethod
-    def of(cls, kv_caches: list[torch.Tensor]) -> "PageSpace":
+    def of(cls, kv_caches: list[torch.Tensor]) -> PageSpace:
         first = kv_caches[0]
         num_blocks, heads, block_size, width = first.shape
         page_elems = block_size * width

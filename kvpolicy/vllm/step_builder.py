@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots
 from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
+from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots
 from kvpolicy.vllm.internals import host_batch_tensors
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
@@ -30,8 +30,8 @@ from kvpolicy.vllm.step import (
     SelectingStep,
     SharedBatch,
     SharingStep,
-    SummedChunk,
     Step,
+    SummedChunk,
     WindowStash,
 )
 
@@ -47,7 +47,7 @@ class HostBatch:
     block_table: torch.Tensor
 
     @classmethod
-    def of(cls, cam, runner) -> "HostBatch":
+    def of(cls, cam, runner) -> HostBatch:
         num_reqs = cam.num_reqs
         seq_lens, block_table = host_batch_tensors(cam, runner)
         return cls(
@@ -63,7 +63,14 @@ class StepBuilder:
     """The step of a batch: which rows go per head, which relocate, which select; their calls' arguments."""
 
     def __init__(
-        self, *, num_layers: int, num_heads: int, num_kv_heads: int, block_size: int, max_model_len: int, plan: Planner,
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        block_size: int,
+        max_model_len: int,
+        plan: Planner,
         sums_prompts: bool = False,
     ):
         """``sums_prompts``: the ops attend H2O/D2O prompt chunks themselves (``KVOps.prompt_attention``)."""
@@ -136,15 +143,25 @@ class StepBuilder:
                 continue
             chooses = seq_len if reading else prompt_len
             order, shared = WORKER_STATE.writable_blocks(req_id, num_blocks)
-            if shared and not self._has_room(order, WORKER_STATE.policy_named(extra.get(REQUEST_POLICY_KEY)), budget, chooses):
+            if shared and not self._has_room(
+                order, WORKER_STATE.policy_named(extra.get(REQUEST_POLICY_KEY)), budget, chooses
+            ):
                 WORKER_STATE.leave_uncompressed(req_id)
                 continue
             layer_base = WORKER_STATE.page_space().layer_base if WORKER_STATE.pools_layers else None
-            pages = RequestPages(self.num_layers, self.num_kv_heads, self.block_size, block_table[row, :num_blocks].tolist(),
-                                 order, layer_base)
+            pages = RequestPages(
+                self.num_layers,
+                self.num_kv_heads,
+                self.block_size,
+                block_table[row, :num_blocks].tolist(),
+                order,
+                layer_base,
+            )
             WORKER_STATE.requests[req_id] = pages
             read = None if reading else seq_len
-            relocations.append(_relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, read, window_idx))
+            relocations.append(
+                _relocation(req_id, extra, pages, chooses, seq_len, budget, not reading, read, window_idx)
+            )
         step = RelocatingStep(relocations=relocations, window_stash=stash, summed=summed)
         if per_head_rows:
             step.per_head = self._per_head_batch(per_head_rows, qsl)
@@ -198,7 +215,9 @@ class StepBuilder:
             space = WORKER_STATE.page_space()
             blocks = batch.block_table[row, :num_blocks].tolist()
             order, shared = WORKER_STATE.writable_blocks(req_id, num_blocks)
-            pages = SharedPages(space.layer_base, self.num_kv_heads, self.block_size, blocks, self._keeps_distant_keys, order)
+            pages = SharedPages(
+                space.layer_base, self.num_kv_heads, self.block_size, blocks, self._keeps_distant_keys, order
+            )
             if shared and pages.blocks_needed(seq_len, (start, end)) > len(order):
                 WORKER_STATE.leave_uncompressed(req_id)
                 continue
@@ -215,7 +234,11 @@ class StepBuilder:
             slots = torch.stack([pages.append() for _, pages in decoding], dim=1)  # [layers, rows, heads]
             step.shared = SharedBatch(
                 token_idx,
-                HeadRows(token_idx.repeat_interleave(heads), torch.arange(heads).repeat(len(decoding)), len(decoding) == int(qsl[-1])),
+                HeadRows(
+                    token_idx.repeat_interleave(heads),
+                    torch.arange(heads).repeat(len(decoding)),
+                    len(decoding) == int(qsl[-1]),
+                ),
                 [pages for _, pages in decoding],
                 slots.reshape(self.num_layers, -1),
             )
@@ -295,8 +318,12 @@ class StepBuilder:
         num_blocks = -(-length // self.block_size)
         order, _ = WORKER_STATE.writable_blocks(req_id, num_blocks)
         request = OffloadedRequest(
-            space.layer_base, self.num_kv_heads, self.block_size, block_table[:num_blocks].tolist(),
-            [source is None for source in self._source_layers], order,
+            space.layer_base,
+            self.num_kv_heads,
+            self.block_size,
+            block_table[:num_blocks].tolist(),
+            [source is None for source in self._source_layers],
+            order,
         )
         staging = -(-budget // self.block_size) - 1
         if request.blocks_needed(length, staging) > len(order):
@@ -399,11 +426,18 @@ class StepBuilder:
         seq_lens = batch.seq_lens[row_idx]
         table = batch.block_table[row_idx]
         return AttentionBatch(
-            token_idx, query_start_loc, seq_lens, table, self.num_kv_heads, self._rows_plan(query_start_loc, seq_lens, table)
+            token_idx,
+            query_start_loc,
+            seq_lens,
+            table,
+            self.num_kv_heads,
+            self._rows_plan(query_start_loc, seq_lens, table),
         )
 
 
-def _relocation(req_id, extra, pages, num_tokens, num_computed, budget, prompt_done, read, window_idx=None) -> Relocation:
+def _relocation(
+    req_id, extra, pages, num_tokens, num_computed, budget, prompt_done, read, window_idx=None
+) -> Relocation:
     """``read``: the request's length once this step is done, if its prompt is then read whole."""
     WORKER_STATE.relocated_this_step[req_id] = (prompt_done, read)
     if window_idx is None:

@@ -27,8 +27,11 @@ class KVPolicyWorkerHooks:
     def init_device(self):
         super().init_device()
         parallel = self.vllm_config.parallel_config.tensor_parallel_size > 1
-        WORKER_STATE.configure(stored_config(self.vllm_config.additional_config), self.model_runner,
-                               tensor_parallel_gather() if parallel else None)
+        WORKER_STATE.configure(
+            stored_config(self.vllm_config.additional_config),
+            self.model_runner,
+            tensor_parallel_gather() if parallel else None,
+        )
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         WORKER_STATE.forget(scheduler_output.finished_req_ids)

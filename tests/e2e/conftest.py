@@ -19,8 +19,16 @@ SERVED_POLICY, SERVED_BUDGET = "adasnap", 256
 def server(model_path: Path, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "vllm-serve.log"
     args = [
-        "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
-        "--kv-policy", SERVED_POLICY, "--kv-budget", str(SERVED_BUDGET),
+        "--served-model-name",
+        SERVED_NAME,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "4096",
+        "--kv-policy",
+        SERVED_POLICY,
+        "--kv-budget",
+        str(SERVED_BUDGET),
     ]
     with vllm_server(model_path, args, log_path) as base:
         yield base
@@ -53,7 +61,9 @@ def engine_run(model_path, tmp_path_factory):
             out = out_dir / f"run{len(done)}.json"
             proc = subprocess.run(
                 [sys.executable, str(ENGINE_RUNNER), "--model", model, "--out", str(out), *flags],
-                capture_output=True, text=True, timeout=900,
+                capture_output=True,
+                text=True,
+                timeout=900,
             )
             if fails:
                 assert proc.returncode != 0, "the engine was expected to refuse these settings"

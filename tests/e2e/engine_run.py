@@ -61,10 +61,16 @@ class CapturingPolicy:
     def _record(self, prompt, budget, kept):
         if prompt.num_tokens == max(PROMPT_LENS) and prompt.layer in CAPTURED_LAYERS:
             seen = {name: getattr(prompt, name) for name in ("window_queries", "column_sums")}
-            self.records.setdefault(prompt.layer, {
-                "keys": prompt.keys.clone(), **{k: v.clone() for k, v in seen.items() if v is not None},
-                "num_layers": prompt.num_layers, "budget": budget, "kept": [k.clone() for k in kept],
-            })
+            self.records.setdefault(
+                prompt.layer,
+                {
+                    "keys": prompt.keys.clone(),
+                    **{k: v.clone() for k, v in seen.items() if v is not None},
+                    "num_layers": prompt.num_layers,
+                    "budget": budget,
+                    "kept": [k.clone() for k in kept],
+                },
+            )
 
 
 class SharedAttentionRecords:
@@ -102,7 +108,9 @@ def capture_shared_attention() -> SharedAttentionRecords:
     def recording_attend(own, values, distant_logits, distant_values, tau=None):
         result = attend(own, values, distant_logits, distant_values, tau)
         tensors = {"values": values, "distant_logits": distant_logits, "distant_values": distant_values}
-        calls.append(({**pending} | {n: None if t is None else t.clone() for n, t in tensors.items()}, result[0].clone()))
+        calls.append(
+            ({**pending} | {n: None if t is None else t.clone() for n, t in tensors.items()}, result[0].clone())
+        )
         return result
 
     sharing.SharingPath._attend_shared = recording_layer
@@ -171,19 +179,29 @@ def main() -> int:
     parser.add_argument("--recent-tokens", type=int, default=None)
     parser.add_argument("--pod-groups", default=None, help="pod: a layer grouping JSON (--kv-pod-groups)")
     parser.add_argument("--pod-tau", type=float, default=None, help="pod: --kv-pod-tau")
-    parser.add_argument("--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)")
+    parser.add_argument(
+        "--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)"
+    )
     parser.add_argument("--abort-after", type=int, default=None, help="abort the longest request after this many steps")
     parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching")
     parser.add_argument("--no-reserve-growth", action="store_true", help="--kv-reserve-growth false: vLLM's admission")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-parallel-size, one core per rank")
     parser.add_argument("--tp-allocation", default=None, help="--kv-tp-allocation exact|rank")
     parser.add_argument("--page-pool", default=None, help="--kv-page-pool model|layer")
-    parser.add_argument("--shared-prefix", type=int, default=0,
-                        help="every prompt starts with the same this many tokens; the first runs alone, then the rest")
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="every prompt starts with the same this many tokens; the first runs alone, then the rest",
+    )
     parser.add_argument("--block-size", type=int, default=None, help="vLLM's --block-size (default: the platform's)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="CUDA: lower it to run engines side by side")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.5, help="CUDA: lower it to run engines side by side"
+    )
     parser.add_argument("--attention-backend", default=None, help="vLLM's --attention-backend, by name")
-    parser.add_argument("--cuda-graphs", action="store_true", help="CUDA: let vLLM capture its graphs (no --enforce-eager)")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="CUDA: let vLLM capture its graphs (no --enforce-eager)"
+    )
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's asynchronous scheduler, on CPU too")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -260,16 +278,16 @@ def main() -> int:
         first, *rest = [TokensPrompt(prompt_token_ids=shared + p) for p in prompts(args.prompt_lens)]
         outputs = [*llm.generate([first], params, use_tqdm=False), *llm.generate(rest, params, use_tqdm=False)]
     elif args.abort_after is None:
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompt_lens)], params, use_tqdm=False)
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompt_lens)], params, use_tqdm=False
+        )
     else:
         outputs = generate_aborting(llm, prompts(args.prompt_lens), params, args.abort_after)
     result = [
         {
             "token_ids": list(o.outputs[0].token_ids),
             "cached_tokens": o.num_cached_tokens,
-            "logprobs": [
-                {str(tok): lp.logprob for tok, lp in step.items()} for step in o.outputs[0].logprobs
-            ],
+            "logprobs": [{str(tok): lp.logprob for tok, lp in step.items()} for step in o.outputs[0].logprobs],
         }
         for o in outputs
     ]
@@ -281,14 +299,20 @@ def main() -> int:
     config = llm.llm_engine.vllm_config
     model = config.model_config
     block_bytes = (  # K and V of one block in every layer
-        2 * model.hf_config.num_hidden_layers * model.hf_config.num_key_value_heads
-        * config.cache_config.block_size * model.get_head_size() * model.dtype.itemsize
+        2
+        * model.hf_config.num_hidden_layers
+        * model.hf_config.num_key_value_heads
+        * config.cache_config.block_size
+        * model.get_head_size()
+        * model.dtype.itemsize
     )
     from kvpolicy.vllm.state import WORKER_STATE
 
     summary = {
         "ops": WORKER_STATE.ops,
-        "counters": counters, "kv_cache_usage_end": usage[0] if usage else None, "preemptions": preemptions,
+        "counters": counters,
+        "kv_cache_usage_end": usage[0] if usage else None,
+        "preemptions": preemptions,
         "prefix_cache_hits": prefix_hits,
         "block_bytes": block_bytes,
         "async_scheduling": bool(config.scheduler_config.async_scheduling),

@@ -46,5 +46,7 @@ def test_asynchronous_scheduling_gives_the_synchronous_tokens_logprobs_and_count
 
 
 def test_prefix_caching_keeps_the_synchronous_scheduler(engine_run, tiny_model):
-    refused = engine_run(*POLICIES["adasnap"], *RUN, "--prefix-caching", "--async-scheduling", model=tiny_model, fails=True)
+    refused = engine_run(
+        *POLICIES["adasnap"], *RUN, "--prefix-caching", "--async-scheduling", model=tiny_model, fails=True
+    )
     assert "with prefix caching needs vLLM's synchronous scheduler" in refused

@@ -16,7 +16,11 @@ def workload(client) -> None:
         # Two different prompts: identical ones at once would share their blocks through the prefix cache,
         # leaving neither room of its own to compress into.
         reply = client.completions.create(
-            model=SERVED_NAME, prompt=f"Stream {stream}. {LONG_PROMPT}", max_tokens=48, temperature=0, stream=stream,
+            model=SERVED_NAME,
+            prompt=f"Stream {stream}. {LONG_PROMPT}",
+            max_tokens=48,
+            temperature=0,
+            stream=stream,
             extra_body={"ignore_eos": True},
         )
         if stream:
@@ -27,7 +31,12 @@ def workload(client) -> None:
         client.chat.completions.create(model=SERVED_NAME, messages=FRANCE, max_tokens=8, temperature=0)
 
     with ThreadPoolExecutor(4) as pool:
-        for job in (pool.submit(long_prompt, True), pool.submit(long_prompt, False), pool.submit(chat), pool.submit(chat)):
+        for job in (
+            pool.submit(long_prompt, True),
+            pool.submit(long_prompt, False),
+            pool.submit(chat),
+            pool.submit(chat),
+        ):
             job.result()
 
 

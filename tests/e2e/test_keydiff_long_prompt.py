@@ -16,8 +16,15 @@ LAYERS_X_HEADS = 30 * 3
 def test_keydiff_completes_a_prompt_three_times_the_pool(engine_run):
     assert LONG > 3 * POOL_TOKENS
     run = engine_run(
-        "--policy", "keydiff", "--budget", str(BUDGET), *POOL,
-        "--prompt-lens", str(LONG), "--max-tokens", str(OUTPUT),
+        "--policy",
+        "keydiff",
+        "--budget",
+        str(BUDGET),
+        *POOL,
+        "--prompt-lens",
+        str(LONG),
+        "--max-tokens",
+        str(OUTPUT),
     )
     counters = run["counters"]
     assert len(run["requests"][0]["token_ids"]) == OUTPUT

@@ -79,7 +79,9 @@ def test_blocks_offload_returns_let_vllm_run_without_preempting(engine_run):
 
 
 def test_preempted_offloaded_requests_are_offloaded_again_and_every_block_returns(engine_run):
-    run = engine_run("--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "500", "--offload", "1")
+    run = engine_run(
+        "--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "500", "--offload", "1"
+    )
     assert run["preemptions"] > 0
     assert run["counters"]["offloaded_requests"] > 3, "a recomputed request moves to the host pool again"
     assert run["kv_cache_usage_end"] == 0.0

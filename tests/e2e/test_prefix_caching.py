@@ -62,8 +62,9 @@ def test_a_prompt_after_a_cached_prefix_hits_it_and_compresses_to_the_same_outpu
     ],
     ids=["pod", "omnikv-offload"],
 )
-def test_layouts_over_every_layer_after_a_cached_prefix_hit_it_to_the_same_output(engine_run, policy, counter,
-                                                                                   cached_blocks):
+def test_layouts_over_every_layer_after_a_cached_prefix_hit_it_to_the_same_output(
+    engine_run, policy, counter, cached_blocks
+):
     """PoD's layout and OmniKV's offload fill the request's own block, then its cached ones from the end:
     the first blocks stay cached for the next prompt."""
     off, on = shared_prefix_runs(engine_run, policy[0], *policy[1:], "--prompt-lens", "100", "150")
@@ -79,8 +80,19 @@ def test_pod_layouts_in_decode_never_write_blocks_a_running_request_reads(engine
     """Prompts under PoD's layout length (16 sinks + 128 recent + a page: 272) are laid out as they decode.
     The two last prompts run together, each reading the first prompt's cached block: the block both read
     leaves too few of their own for a layout, so they stay on the stock path, with stock's tokens."""
-    args = ("--max-model-len", "4096", "--shared-prefix", "200", "--prompt-lens", "20", "60", "70",
-            "--max-tokens", "40", "--prefix-caching")
+    args = (
+        "--max-model-len",
+        "4096",
+        "--shared-prefix",
+        "200",
+        "--prompt-lens",
+        "20",
+        "60",
+        "70",
+        "--max-tokens",
+        "40",
+        "--prefix-caching",
+    )
     pod = engine_run("--policy", "pod", "--recent-tokens", "128", *args)
     stock = engine_run("--policy", "none", *args)
     assert [request["cached_tokens"] for request in pod["requests"]] == [0, BLOCK_SIZE, BLOCK_SIZE]

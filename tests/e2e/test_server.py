@@ -12,8 +12,13 @@ from tests.e2e.conftest import SERVED_BUDGET, SERVED_NAME, SERVED_POLICY
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 120
 LAYERS_X_KV_HEADS = 30 * 3
-GAUGE_NAMES = ("num_requests_compressed", "compressed_kv_blocks", "compressed_kv_bytes", "uncompressed_kv_bytes",
-               "saved_kv_bytes")
+GAUGE_NAMES = (
+    "num_requests_compressed",
+    "compressed_kv_blocks",
+    "compressed_kv_bytes",
+    "uncompressed_kv_bytes",
+    "saved_kv_bytes",
+)
 
 
 def kvpolicy_metrics(server) -> dict[str, float]:
@@ -55,16 +60,24 @@ def test_long_prompt_is_compressed_and_blocks_released(client, server):
 def test_per_request_budget_override(client, server):
     before = kvpolicy_metrics(server)
     client.completions.create(
-        model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=4, temperature=0,
+        model=SERVED_NAME,
+        prompt=LONG_PROMPT,
+        max_tokens=4,
+        temperature=0,
         extra_body={"vllm_xargs": {"kv_budget": 64}},
     )
     kept = kvpolicy_metrics(server)["kept_kv_tokens"] - before.get("kept_kv_tokens", 0)
     assert kept == pytest.approx(64 * LAYERS_X_KV_HEADS, rel=0.02)
 
 
-@pytest.mark.parametrize("budget, message", [(-5, "kv_budget must be a positive integer"),
-                                            (16, "larger than the observation window"),
-                                            (10**6, "larger than the context limit")])
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        (-5, "kv_budget must be a positive integer"),
+        (16, "larger than the observation window"),
+        (10**6, "larger than the context limit"),
+    ],
+)
 def test_bad_request_budget_is_rejected_and_the_server_keeps_serving(client, budget, message):
     with pytest.raises(openai.BadRequestError, match=message):
         client.completions.create(
@@ -74,12 +87,19 @@ def test_bad_request_budget_is_rejected_and_the_server_keeps_serving(client, bud
     assert "Paris" in reply.choices[0].message.content
 
 
-@pytest.mark.parametrize("extra, message", [({"kv_budgt": 128}, "unknown request option 'kv_budgt'"),
-                                           ({"kv_policy": "keydiff"}, "kv_policy 'keydiff' cannot be served")])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"kv_budgt": 128}, "unknown request option 'kv_budgt'"),
+        ({"kv_policy": "keydiff"}, "kv_policy 'keydiff' cannot be served"),
+    ],
+)
 def test_unknown_or_unservable_request_options_are_rejected(client, extra, message):
     with pytest.raises(openai.BadRequestError, match=message) as error:
         client.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=4, extra_body={"vllm_xargs": extra})
-    assert "kv_budget, kv_policy" in str(error.value) or "none, adamix, adapyramid, adasnap, pyramid, snapkv" in str(error.value)
+    assert "kv_budget, kv_policy" in str(error.value) or "none, adamix, adapyramid, adasnap, pyramid, snapkv" in str(
+        error.value
+    )
     reply = client.chat.completions.create(model=SERVED_NAME, messages=FRANCE, max_tokens=20, temperature=0)
     assert "Paris" in reply.choices[0].message.content
 
@@ -88,7 +108,11 @@ def test_unknown_or_unservable_request_options_are_rejected(client, extra, messa
 def test_per_request_policy_none_stays_stock_and_family_members_compress(client, server, policy, compressed):
     before = kvpolicy_metrics(server)
     reply = client.completions.create(
-        model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=4, temperature=0, extra_body={"vllm_xargs": {"kv_policy": policy}},
+        model=SERVED_NAME,
+        prompt=LONG_PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"vllm_xargs": {"kv_policy": policy}},
     )
     assert reply.usage.completion_tokens == 4
     after = kvpolicy_metrics(server)
@@ -97,7 +121,12 @@ def test_per_request_policy_none_stays_stock_and_family_members_compress(client,
 
 def test_gauges_show_the_memory_a_running_request_saves_then_return_to_zero(client, server):
     stream = client.completions.create(
-        model=SERVED_NAME, prompt=LONG_PROMPT, max_tokens=64, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=SERVED_NAME,
+        prompt=LONG_PROMPT,
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     chunks = iter(stream)
     for _ in range(8):

@@ -50,10 +50,17 @@ def make_cache(layout: str, blocks: int, kv_heads: int, head_size: int, dtype, s
         page = 2 * bs * head_size
         cache = torch.randn(blocks, kv_heads, page, generator=generator).to(DEVICE, dtype)
         geom = PageGeometry(
-            block_size=bs, head_size=head_size, heads_per_block=kv_heads,
-            block_stride=kv_heads * page, head_stride=page,
-            k_offset=0, k_token_stride=1, k_dim_stride=bs,
-            v_offset=bs * head_size, v_token_stride=head_size, v_dim_stride=1,
+            block_size=bs,
+            head_size=head_size,
+            heads_per_block=kv_heads,
+            block_stride=kv_heads * page,
+            head_stride=page,
+            k_offset=0,
+            k_token_stride=1,
+            k_dim_stride=bs,
+            v_offset=bs * head_size,
+            v_token_stride=head_size,
+            v_dim_stride=1,
         )
         return cache, geom
     if layout == "split_kv":

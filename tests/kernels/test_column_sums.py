@@ -60,8 +60,9 @@ def test_prompt_attention(kv_heads, q_heads, length, count):
     queries = 2 * torch.randn(q_heads, count, 32, generator=generator)
     out, sums = IMPLEMENTATIONS["csrc"].prompt_attention(keys, values, queries, 1 / math.sqrt(32))
     assert out.shape == (q_heads, count, 32) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), reference_prompt_attention(keys, values, queries, 1 / math.sqrt(32)),
-                               **TOLERANCE)
+    torch.testing.assert_close(
+        out.double(), reference_prompt_attention(keys, values, queries, 1 / math.sqrt(32)), **TOLERANCE
+    )
     torch.testing.assert_close(sums, attention_column_sums(keys, queries), **TOLERANCE)
 
 
@@ -72,6 +73,8 @@ def test_prompt_attention_sums_add_up_over_chunks():
     queries = torch.randn(9, 300, 32, generator=generator)
     total = torch.zeros(9, 300, dtype=torch.float64)
     for start, end in [(0, 128), (128, 256), (256, 300)]:
-        _, sums = IMPLEMENTATIONS["csrc"].prompt_attention(keys[:, :end], values[:, :end], queries[:, start:end], 1 / math.sqrt(32))
+        _, sums = IMPLEMENTATIONS["csrc"].prompt_attention(
+            keys[:, :end], values[:, :end], queries[:, start:end], 1 / math.sqrt(32)
+        )
         total[:, :end] += sums
     torch.testing.assert_close(total, attention_column_sums(keys, queries), **TOLERANCE)

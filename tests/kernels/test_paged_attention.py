@@ -39,8 +39,11 @@ def build_batch(layout, kv_heads, head_size, dtype, skip=None, requests=REQUESTS
     query = torch.randn(first_token, QUERY_HEADS, head_size, generator=generator).to(DEVICE, dtype)
     out = torch.full_like(query, 7.0)
     ints = dict(
-        token_of=index(token_of), head_of=index(head_of),
-        query_start_loc=index(starts), seq_lens=index(seq_lens), page_table=index(table, torch.int64),
+        token_of=index(token_of),
+        head_of=index(head_of),
+        query_start_loc=index(starts),
+        seq_lens=index(seq_lens),
+        page_table=index(table, torch.int64),
     )
     return query, out, cache, geom, ints
 

@@ -23,9 +23,12 @@ BLOCK_SIZE = 32
 
 def kv_cache_manager(num_blocks: int = 32) -> KVCacheManager:
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return KVCacheManager(config, max_model_len=2048, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
-                          enable_caching=False)
+    config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+    return KVCacheManager(
+        config, max_model_len=2048, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE, enable_caching=False
+    )
 
 
 def scheduler_connector(manager: KVCacheManager) -> KVPolicyConnector:
@@ -49,7 +52,9 @@ def prompt_read_then_next_step_scheduled(manager: KVCacheManager) -> tuple[Reque
 
 def next_allocation(manager: KVCacheManager) -> list[int]:
     """The blocks a new request's first chunk gets now."""
-    (blocks,) = manager.allocate_slots(Request("other", list(range(64)), SamplingParams(max_tokens=1), None), 64).get_block_ids()
+    (blocks,) = manager.allocate_slots(
+        Request("other", list(range(64)), SamplingParams(max_tokens=1), None), 64
+    ).get_block_ids()
     return blocks
 
 

@@ -33,7 +33,11 @@ def test_cuda_builder_gives_up_cuda_graphs_for_attention_only_while_a_policy_cha
     stock = builder.__mro__[1].get_cudagraph_support(None, None)
 
     def support(policy):
-        extra = {} if policy is None else {KVPolicyConfig.ADDITIONAL_CONFIG_KEY: KVPolicyConfig(policy=policy, budget=256).to_dict()}
+        extra = (
+            {}
+            if policy is None
+            else {KVPolicyConfig.ADDITIONAL_CONFIG_KEY: KVPolicyConfig(policy=policy, budget=256).to_dict()}
+        )
         return builder.get_cudagraph_support(SimpleNamespace(additional_config=extra), None)
 
     assert support(None) == support("none") == stock
@@ -73,8 +77,12 @@ def test_on_cuda_what_the_policy_cannot_run_beside_is_refused_with_what_to_chang
 
 
 def test_on_cuda_pages_stay_in_each_layers_cache(on_cuda):
-    with pytest.raises(KVPolicyConfigError, match="--kv-page-pool model .* was only run on vLLM's CPU platform; drop it on CUDA"):
-        args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="pyramid", budget=128, page_pool="model"))
+    with pytest.raises(
+        KVPolicyConfigError, match="--kv-page-pool model .* was only run on vLLM's CPU platform; drop it on CUDA"
+    ):
+        args._prepare_engine_args(
+            EngineArgs(model="m"), KVPolicyConfig(policy="pyramid", budget=128, page_pool="model")
+        )
     args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="pyramid", budget=128, page_pool="layer"))
 
 
@@ -82,7 +90,9 @@ def test_on_cuda_pages_stay_in_each_layers_cache(on_cuda):
     "policy, prefix_caching",
     [("adasnap", False), ("omnikv", None)],  # omnikv without --kv-offload writes no block
 )
-def test_on_cuda_a_policy_that_rewrites_no_cached_block_keeps_vllms_asynchronous_scheduler(on_cuda, policy, prefix_caching):
+def test_on_cuda_a_policy_that_rewrites_no_cached_block_keeps_vllms_asynchronous_scheduler(
+    on_cuda, policy, prefix_caching
+):
     engine_args = EngineArgs(model="m", enable_prefix_caching=prefix_caching)
     args._prepare_engine_args(engine_args, KVPolicyConfig(policy=policy, budget=128))
     assert engine_args.async_scheduling is None

@@ -36,26 +36,37 @@ def test_vllm_cli_runs():
 
 
 def test_serve_help_lists_the_kv_options():
-    out = subprocess.run(
-        [BIN / "vllm", "serve", "--help=KVPolicy"], capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([BIN / "vllm", "serve", "--help=KVPolicy"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    for flag in ("--kv-policy", "--kv-budget", "--kv-ratio", "--kv-window", "--kv-pool-kernel",
-                 "--kv-sink-tokens", "--kv-recent-tokens", "--kv-offload"):
+    for flag in (
+        "--kv-policy",
+        "--kv-budget",
+        "--kv-ratio",
+        "--kv-window",
+        "--kv-pool-kernel",
+        "--kv-sink-tokens",
+        "--kv-recent-tokens",
+        "--kv-offload",
+    ):
         assert flag in out.stdout
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--kv-policy", "bogus"], "unknown --kv-policy 'bogus'; choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, snapkv, streaming"),
+        (
+            ["--kv-policy", "bogus"],
+            "unknown --kv-policy 'bogus'; choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, snapkv, streaming",
+        ),
         (["--kv-policy", "identity", "--kv-budget", "0"], "--kv-budget must be a positive"),
         (["--kv-policy", "pod", "--kv-pod-groups", "/nonexistent.json"], "python -m kvpolicy.calibrate_pod"),
         (["--kv-policy", "pod", "--kv-pod-tau", "2"], "gate threshold in [0, 1]"),
         (["--kv-policy", "snapkv", "--kv-budget", "64", "--kv-pod-tau", "0.7"], "apply to --kv-policy pod"),
         (["--kv-budget", "64"], "--kv-budget need --kv-policy"),
-        (["--kv-policy", "identity", "--kv-budget", "9000", "--max-model-len", "2048"],
-         "--kv-budget 9000 is larger than --max-model-len 2048"),
+        (
+            ["--kv-policy", "identity", "--kv-budget", "9000", "--max-model-len", "2048"],
+            "--kv-budget 9000 is larger than --max-model-len 2048",
+        ),
         (["--kv-policy", "snapkv", "--kv-budget", "64", "--async-scheduling"], "needs vLLM's synchronous scheduler"),
     ],
 )
@@ -63,7 +74,10 @@ def test_bad_options_fail_before_the_model_loads(model_path, args, message):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     out = subprocess.run(
         [BIN / "vllm", "serve", str(model_path), "--dtype", "float32", *args],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert out.returncode != 0
     assert message in out.stderr + out.stdout

@@ -54,8 +54,12 @@ def test_ranks_combine_counters_by_sum_peaks_by_max_blocks_by_max_and_bytes_by_s
     rank = {"released_blocks": 2, "peak_request_kv_blocks": 5, "compressed_kv_blocks": 3, "saved_kv_bytes": 100}
     other = {"released_blocks": 2, "peak_request_kv_blocks": 7, "compressed_kv_blocks": 3, "saved_kv_bytes": 100}
     combined = KVPolicyStats(data=dict(rank)).aggregate(KVPolicyStats(data=other)).reduce()
-    assert combined == {"released_blocks": 4, "peak_request_kv_blocks": 7, "compressed_kv_blocks": 3,
-                        "saved_kv_bytes": 200}
+    assert combined == {
+        "released_blocks": 4,
+        "peak_request_kv_blocks": 7,
+        "compressed_kv_blocks": 3,
+        "saved_kv_bytes": 200,
+    }
 
 
 def test_metric_names_follow_prometheus_conventions():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvpolicy.vllm.ops.cpu import page_layout
 from kvpolicy.vllm.internals import CPU_ATTN_MODULE, ops
+from kvpolicy.vllm.ops.cpu import page_layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -28,7 +28,9 @@ def test_gather_and_page_keys_read_what_reshape_and_cache_wrote(dtype, head_size
     every = (pages[..., None] * block_size + torch.arange(block_size)).reshape(2, -1)
     whole = layout.page_keys(cache, pages)
     assert whole.shape == (2, 2 * block_size, head_size)
-    assert torch.equal(whole, layout.gather(cache.view(blocks * heads, -1), every.reshape(-1))[0].view(2, -1, head_size))
+    assert torch.equal(
+        whole, layout.gather(cache.view(blocks * heads, -1), every.reshape(-1))[0].view(2, -1, head_size)
+    )
 
 
 @pytest.mark.parametrize("row_shape", [(1, 16), (3, 16)])

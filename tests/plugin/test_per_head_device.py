@@ -74,7 +74,10 @@ def decode_step(pages: RequestPages) -> RelocatingStep:
     lengths = torch.from_numpy(pages.lengths.copy())  # [layers, heads]
     rows = HeadRows(torch.zeros(H, dtype=torch.int64), torch.arange(H))
     qsl = torch.arange(H + 1, dtype=torch.int32)
-    layers = [AttentionBatch(torch.tensor([0]), qsl, lengths[layer].int(), torch.zeros(H, 1), 1, None) for layer in range(LAYERS)]
+    layers = [
+        AttentionBatch(torch.tensor([0]), qsl, lengths[layer].int(), torch.zeros(H, 1), 1, None)
+        for layer in range(LAYERS)
+    ]
     return RelocatingStep(per_head=PerHeadBatch(torch.tensor([0]), rows, layers, torch.zeros(LAYERS, H), [REQ]))
 
 
@@ -82,8 +85,10 @@ def decode_step(pages: RequestPages) -> RelocatingStep:
 def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker, policy):
     budget = None if policy == "identity" else BUDGET
     kv_cache = torch.empty(16, H, BS, 2 * D, device=DEVICE)
-    worker.configure(KVPolicyConfig(policy=policy, budget=budget, window=8, page_pool="layer"),
-                     SimpleNamespace(kv_caches=[kv_cache] * LAYERS, requests={}))
+    worker.configure(
+        KVPolicyConfig(policy=policy, budget=budget, window=8, page_pool="layer"),
+        SimpleNamespace(kv_caches=[kv_cache] * LAYERS, requests={}),
+    )
     pages = RequestPages(LAYERS, H, BS, list(range(-(-PROMPT // BS))))
     worker.requests[REQ] = pages
     ops = MetaOps()

@@ -22,13 +22,28 @@ def per_head_step(layers: int = 4, rows: int = 3, heads: int = 2, width: int = 5
     tables = torch.from_numpy(rng.integers(0, 1000, size=(layers, rows * heads, width)).astype(np.int32))
     token_idx = torch.arange(rows)
     qsl = torch.arange(rows * heads + 1, dtype=torch.int32)
-    calls = [AttentionBatch(token_idx, qsl, lengths[layer], tables[layer], 1, plan_virtual_sequences(qsl, lengths[layer], tables[layer], 1, 4))
-             for layer in range(layers)]
+    calls = [
+        AttentionBatch(
+            token_idx,
+            qsl,
+            lengths[layer],
+            tables[layer],
+            1,
+            plan_virtual_sequences(qsl, lengths[layer], tables[layer], 1, 4),
+        )
+        for layer in range(layers)
+    ]
     head_rows = HeadRows(token_idx.repeat_interleave(heads), torch.arange(heads).repeat(rows), True)
     slots = torch.from_numpy(rng.integers(0, 10**6, size=(layers, rows * heads)))
     stock_table = torch.tensor([[7, 8, 9]], dtype=torch.int32)
-    stock = AttentionBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
-                           stock_table[:0], 2, plan_virtual_sequences(torch.zeros(1, dtype=torch.int32), torch.zeros(0), stock_table[:0], 2, 4))
+    stock = AttentionBatch(
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+        stock_table[:0],
+        2,
+        plan_virtual_sequences(torch.zeros(1, dtype=torch.int32), torch.zeros(0), stock_table[:0], 2, 4),
+    )
     return RelocatingStep(stock=stock, per_head=PerHeadBatch(token_idx, head_rows, calls, slots, ["a", "b", "c"]))
 
 
@@ -40,8 +55,14 @@ def test_every_view_of_a_staged_storage_reads_the_one_copy():
     try:
         staged = StagedStep(step_tensors(step), torch.device("cpu"))
         per_head = step.per_head
-        asked = [per_head.slots[2], per_head.layers[3].block_table, per_head.layers[1].seq_lens, per_head.rows.head_of,
-                 per_head.token_idx, per_head.layers[0].block_table[:, 1:3]]
+        asked = [
+            per_head.slots[2],
+            per_head.layers[3].block_table,
+            per_head.layers[1].seq_lens,
+            per_head.rows.head_of,
+            per_head.token_idx,
+            per_head.layers[0].block_table[:, 1:3],
+        ]
         on_device = staged.to_device(asked)
     finally:
         staging.copy_to = real

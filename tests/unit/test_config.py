@@ -7,7 +7,10 @@ from kvpolicy.policies import POLICIES, IdentityPolicy, PromptKV
 
 
 def test_unknown_policy_lists_the_valid_ones():
-    with pytest.raises(KVPolicyConfigError, match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, snapkv, streaming"):
+    with pytest.raises(
+        KVPolicyConfigError,
+        match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, snapkv, streaming",
+    ):
         KVPolicyConfig(policy="bogus")
 
 
@@ -86,8 +89,13 @@ def test_budget_for_a_prompt():
 
 @pytest.mark.parametrize(
     "value, message",
-    [(-1, "positive integer"), (2.5, "positive integer"), (True, "positive integer"),
-     (20, "observation window"), (9000, "context limit")],
+    [
+        (-1, "positive integer"),
+        (2.5, "positive integer"),
+        (True, "positive integer"),
+        (20, "observation window"),
+        (9000, "context limit"),
+    ],
 )
 def test_per_request_budget_is_validated(value, message):
     with pytest.raises(KVPolicyConfigError, match=message):
@@ -113,7 +121,9 @@ def test_merge_switch_is_d2o_only():
 def test_ada_options_reach_the_policies_that_take_them():
     assert KVPolicyConfig(policy="adamix", budget=128, mix=1.0, alpha=1.0).make_policy().mix == 1.0
     assert KVPolicyConfig(policy="adasnap", budget=128, alpha=0.2).make_policy().alpha == 0.2
-    with pytest.raises(KVPolicyConfigError, match="--kv-alpha applies to adamix, adapyramid, adasnap, not to --kv-policy snapkv"):
+    with pytest.raises(
+        KVPolicyConfigError, match="--kv-alpha applies to adamix, adapyramid, adasnap, not to --kv-policy snapkv"
+    ):
         KVPolicyConfig(policy="snapkv", budget=128, alpha=0.2)
     with pytest.raises(KVPolicyConfigError, match="--kv-mix must be in"):
         KVPolicyConfig(policy="adamix", budget=128, mix=1.5)
@@ -133,7 +143,10 @@ def test_pool_kernel_is_the_policys_own_unless_given():
     [
         ({"kv_budgt": 128}, r"unknown request option 'kv_budgt'; kvpolicy takes kv_budget, kv_policy per request"),
         ({"kv_budget": 128, "kv_ratio": 0.5}, "unknown request option 'kv_ratio'"),
-        ({"kv_policy": "keydiff"}, r"kv_policy 'keydiff' cannot be served .*--kv-policy adasnap.*none, adamix, adapyramid, adasnap, pyramid, snapkv"),
+        (
+            {"kv_policy": "keydiff"},
+            r"kv_policy 'keydiff' cannot be served .*--kv-policy adasnap.*none, adamix, adapyramid, adasnap, pyramid, snapkv",
+        ),
         ({"kv_policy": 3}, "kv_policy 3 cannot be served"),
         ({"kv_policy": "none", "kv_budget": 64}, "kv_budget does not apply to a request with kv_policy 'none'"),
         ({"kv_policy": "snapkv", "kv_budget": 16}, "larger than the observation window"),
@@ -147,7 +160,8 @@ def test_request_options_are_strict_and_say_what_is_accepted(extra, message):
 def test_request_policies_are_none_and_the_servers_family():
     adasnap = KVPolicyConfig(policy="adasnap", budget=256)
     assert adasnap.check_request_options({"kv_policy": "pyramid", "kv_budget": 64, "top_k_other": 1}, 4096) == {
-        "kv_policy": "pyramid", "kv_budget": 64,
+        "kv_policy": "pyramid",
+        "kv_budget": 64,
     }
     assert adasnap.check_request_options({"kv_policy": "none"}, 4096) == {"kv_policy": "none"}
     assert KVPolicyConfig(policy="keydiff", budget=256).request_policies() == ["none", "keydiff"]

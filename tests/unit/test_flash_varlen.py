@@ -110,8 +110,14 @@ def test_one_head_sequences_with_their_own_lengths_and_pages(physical):
     query_start_loc = torch.tensor([0, 3, 6, 7, 8], dtype=torch.int32)
     seq_lens = torch.tensor([6, 13, 3, 9], dtype=torch.int32)
     pages = torch.tensor([[17, 2, 0, 0], [6, 23, 11, 12], [9, 0, 0, 0], [1, 20, 4, 0]], dtype=torch.int32)
-    batch = AttentionBatch(torch.tensor([0, 1, 2, 4]), query_start_loc, seq_lens, pages, 1,
-                           plan_virtual_sequences(query_start_loc, seq_lens, pages, 1, GROUP))
+    batch = AttentionBatch(
+        torch.tensor([0, 1, 2, 4]),
+        query_start_loc,
+        seq_lens,
+        pages,
+        1,
+        plan_virtual_sequences(query_start_loc, seq_lens, pages, 1, GROUP),
+    )
     reference = (rows.token_of, rows.head_of, query_start_loc, seq_lens, pages)
     call, got, want = attend_both_ways(cache, batch, rows, query, reference)
     check_arguments(call, 4)

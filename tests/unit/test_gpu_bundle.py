@@ -22,8 +22,14 @@ def make_wheel(path: Path, files: dict[str, bytes], executable: set[str] = froze
 
 def fake_vllm(tmp_path: Path, extra: dict[str, bytes] | None = None) -> Path:
     """A wheel laid out like vLLM's: Python, the kept kernels, and one file under each kind of drop rule."""
-    compiled = [*bundle.VLLM_KEEP, "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so",
-                "vllm/_flashmla_C.abi3.so", "vllm/vllm-rs", "vllm/third_party/deep_gemm/_C_extension.abi3.so"]
+    compiled = [
+        *bundle.VLLM_KEEP,
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+        "vllm/_moe_C_stable_libtorch.abi3.so",
+        "vllm/_flashmla_C.abi3.so",
+        "vllm/vllm-rs",
+        "vllm/third_party/deep_gemm/_C_extension.abi3.so",
+    ]
     files = {name: b"\x7fELF" + name.encode() for name in compiled}
     files |= {
         "vllm/__init__.py": b"",
@@ -36,8 +42,11 @@ def fake_vllm(tmp_path: Path, extra: dict[str, bytes] | None = None) -> Path:
         "vllm-0.32.0.data/scripts/vllm": b"#!python\n",
         **(extra or {}),
     }
-    return make_wheel(tmp_path / "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", files,
-                      executable={*compiled, "vllm/utils/numa_wrapper.sh", "vllm-0.32.0.data/scripts/vllm"})
+    return make_wheel(
+        tmp_path / "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        files,
+        executable={*compiled, "vllm/utils/numa_wrapper.sh", "vllm-0.32.0.data/scripts/vllm"},
+    )
 
 
 def test_the_trim_keeps_python_data_and_the_named_kernels_and_drops_the_rest(tmp_path):

@@ -238,10 +238,18 @@ def reference_merge(kept_keys, kept_values, evicted_keys, evicted_values, thresh
         sources = [i for i in range(len(best)) if nearest[i] == j and best[i] >= threshold]
         merged += len(sources)
         norm = math.e + sum(weights)
-        keys.append([(math.e * k[d] + sum(w * evicted_keys[i][d] for w, i in zip(weights, sources))) / norm
-                     for d in range(len(k))])
-        values.append([(math.e * v[d] + sum(w * evicted_values[i][d] for w, i in zip(weights, sources))) / norm
-                       for d in range(len(v))])
+        keys.append(
+            [
+                (math.e * k[d] + sum(w * evicted_keys[i][d] for w, i in zip(weights, sources))) / norm
+                for d in range(len(k))
+            ]
+        )
+        values.append(
+            [
+                (math.e * v[d] + sum(w * evicted_values[i][d] for w, i in zip(weights, sources))) / norm
+                for d in range(len(v))
+            ]
+        )
     return keys, values, threshold, merged
 
 
@@ -255,8 +263,12 @@ def test_d2o_evicts_by_accumulated_attention_and_merges_into_nearest_keys(prompt
         evicted = [p for p in range(L) if p not in kept]
         keys, values = prompt.keys[h].tolist(), prompt.values[h].tolist()
         ref_keys, ref_values, threshold, merged = reference_merge(
-            [keys[p] for p in kept], [values[p] for p in kept],
-            [keys[p] for p in evicted], [values[p] for p in evicted], None, 0.7,
+            [keys[p] for p in kept],
+            [values[p] for p in kept],
+            [keys[p] for p in evicted],
+            [values[p] for p in evicted],
+            None,
+            0.7,
         )
         assert 0 < merged < len(evicted), "the test exercises both merging and discarding"
         assert got.kept[h].tolist() == kept
@@ -289,8 +301,12 @@ def test_d2o_decode_merge_updates_the_ema_threshold(seed):
     keys, values, threshold = merge_evicted(kept_keys, kept_values, evicted_keys, evicted_values, previous, 0.7)
     for h in range(H):
         ref_keys, ref_values, ref_threshold, _ = reference_merge(
-            kept_keys[h].tolist(), kept_values[h].tolist(),
-            evicted_keys[h].tolist(), evicted_values[h].tolist(), previous[h].item(), 0.7,
+            kept_keys[h].tolist(),
+            kept_values[h].tolist(),
+            evicted_keys[h].tolist(),
+            evicted_values[h].tolist(),
+            previous[h].item(),
+            0.7,
         )
         assert threshold[h].item() == pytest.approx(ref_threshold, abs=1e-12)
         assert torch.allclose(keys[h], torch.tensor(ref_keys, dtype=torch.float64), atol=1e-6, rtol=0)
@@ -323,8 +339,12 @@ def test_d2o_decode_pass_evicts_by_carried_scores_and_merges_against_the_carried
         evicted = [p for p in range(L) if p not in kept]
         keys, values = prompt.keys[h].tolist(), prompt.values[h].tolist()
         ref_keys, ref_values, threshold, _ = reference_merge(
-            [keys[p] for p in kept], [values[p] for p in kept],
-            [keys[p] for p in evicted], [values[p] for p in evicted], previous[h].item(), 0.7,
+            [keys[p] for p in kept],
+            [values[p] for p in kept],
+            [keys[p] for p in evicted],
+            [values[p] for p in evicted],
+            previous[h].item(),
+            0.7,
         )
         assert got.kept[h].tolist() == kept
         assert got.scores[h].tolist() == [scores[h, p].item() for p in kept]

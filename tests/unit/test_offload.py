@@ -44,7 +44,9 @@ def test_offload_puts_every_page_where_the_request_reads_it_and_frees_blocks():
             if FULL[layer]:
                 assert device[request.full_table(layer)[head], 0].tolist() == [stamp(layer, i, head) for i in range(6)]
             else:
-                assert host.pages[request.host_pages[layer][head], 0].tolist() == [stamp(layer, i, head) for i in range(5)]
+                assert host.pages[request.host_pages[layer][head], 0].tolist() == [
+                    stamp(layer, i, head) for i in range(5)
+                ]
                 assert device[request.pages[layer][head][0], 0].item() == stamp(layer, 5, head)
     # Per head 2 full layers x 6 pages + 2 tails + 2 x 1 staging page: 16 pages, 4 blocks of 8, and a spare.
     assert plan.keep_blocks == set(range(5))

@@ -1,7 +1,7 @@
 """Page tables and token moves, on plain tensors (no vLLM)."""
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from kvpolicy.paging import PageLayout, RequestPages, write_order
@@ -55,9 +55,15 @@ def test_relocate_packs_heads_from_the_first_block():
     moves = pages.relocate(0, keep)
     # Stock source: token i of head h is page blocks[i // BS] * H + h, offset i % BS.
     assert moves.src.tolist() == [
-        (7 * H + 0) * BS + 0, (7 * H + 0) * BS + 2, (3 * H + 0) * BS + 1,
-        (7 * H + 1) * BS + 1, (7 * H + 1) * BS + 3, (3 * H + 1) * BS + 0,
-        (3 * H + 1) * BS + 2, (9 * H + 1) * BS + 0, (9 * H + 1) * BS + 2,
+        (7 * H + 0) * BS + 0,
+        (7 * H + 0) * BS + 2,
+        (3 * H + 0) * BS + 1,
+        (7 * H + 1) * BS + 1,
+        (7 * H + 1) * BS + 3,
+        (3 * H + 1) * BS + 0,
+        (3 * H + 1) * BS + 2,
+        (9 * H + 1) * BS + 0,
+        (9 * H + 1) * BS + 2,
     ]
     # Destinations: head 0 takes page 14, head 1 pages 15 and 6 (block 7, then block 3).
     assert pages.head_pages[0] == [[14], [15, 6]]
@@ -95,7 +101,9 @@ def test_appended_slots_are_where_the_tokens_are_read_back():
         blocks = rng.permutation(64)[:4].tolist()
         pages = RequestPages(num_layers=3, num_heads=H, block_size=BS, blocks=blocks)
         for layer in range(3):
-            pages.relocate(layer, [torch.from_numpy(np.sort(rng.permutation(4 * BS)[: rng.integers(0, 2 * BS)])) for _ in range(H)])
+            pages.relocate(
+                layer, [torch.from_numpy(np.sort(rng.permutation(4 * BS)[: rng.integers(0, 2 * BS)])) for _ in range(H)]
+            )
         for step in range(12):
             pages.add_blocks([64 + step])  # H pages per layer: room for the BS tokens a head may take
             count = int(rng.choice([1, 1, 3]))
@@ -136,7 +144,9 @@ def test_layout_moves_tokens_between_pages_like_the_cache_would():
     layout.scatter(cache, moves.dst, k, v)
     for head in range(H):
         n = keep[head].numel()
-        got_k, got_v = layout.gather(cache, pages.current_slots(0, [torch.arange(n) if h == head else torch.arange(0) for h in range(H)]))
+        got_k, got_v = layout.gather(
+            cache, pages.current_slots(0, [torch.arange(n) if h == head else torch.arange(0) for h in range(H)])
+        )
         assert torch.equal(got_k, keys[head, keep[head]])
         assert torch.equal(got_v, values[head, keep[head]])
 
@@ -163,8 +173,9 @@ def test_write_order_never_writes_shared_blocks_and_cached_ones_last_from_the_en
 
 def test_relocation_writes_only_the_blocks_of_its_order_and_keeps_them():
     blocks = [10, 11, 12, 13, 14]
-    pages = RequestPages(num_layers=2, num_heads=H, block_size=BS, blocks=blocks,
-                         order=write_order(5, shared=[0, 1], cached=[2, 3]))
+    pages = RequestPages(
+        num_layers=2, num_heads=H, block_size=BS, blocks=blocks, order=write_order(5, shared=[0, 1], cached=[2, 3])
+    )
     every = [torch.arange(5 * BS)] * H
     sources = pages.current_slots(0, every)
     moves = pages.relocate(0, [torch.arange(3 * BS), torch.arange(BS)])  # 3 + 1 pages: blocks 14 and 13
@@ -233,13 +244,18 @@ def test_one_pool_for_every_layer_packs_into_the_fewest_blocks_and_keeps_every_t
     for layer in range(layers):
         for head in range(H):
             positions = torch.arange(length)
-            space[pages.current_slots(layer, [positions if h == head else positions[:0] for h in range(H)])] = (
-                label(layer, head, positions))
+            space[pages.current_slots(layer, [positions if h == head else positions[:0] for h in range(H)])] = label(
+                layer, head, positions
+            )
     kept = {}
     for layer in range(layers):
         most = length if layer == 0 else length // (2 * layer)  # the bottom layer keeps far more
-        keep = [torch.sort(torch.randperm(length, generator=gen)[: int(torch.randint(1, most + 1, (1,), generator=gen))]).values
-                for _ in range(H)]
+        keep = [
+            torch.sort(
+                torch.randperm(length, generator=gen)[: int(torch.randint(1, most + 1, (1,), generator=gen))]
+            ).values
+            for _ in range(H)
+        ]
         _apply(space, pages.relocate(layer, keep))
         kept.update({(layer, head): label(layer, head, keep[head]) for head in range(H)})
     _apply(space, pages.pack())

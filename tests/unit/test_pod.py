@@ -9,7 +9,16 @@ import torch
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import SharedPages
 from kvpolicy.paging.page_table import write_order
-from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers, js_similarity, proximal_gate, proximal_logits, shared_attention
+from kvpolicy.policies.pod import (
+    DEFAULT_GROUPS,
+    LayerGroups,
+    PoD,
+    group_layers,
+    js_similarity,
+    proximal_gate,
+    proximal_logits,
+    shared_attention,
+)
 
 
 def reference_pod(q_own, k_own, v_own, q_low, k_low, sinks, recent, scale):
@@ -55,12 +64,14 @@ def test_shared_attention_is_eq_3_and_4():
     group, n, dim, sinks, recent = 3, 40, 16, 4, 10
     q_own, q_low = torch.randn(group, dim), torch.randn(group, dim)
     k_own, k_low, v_own = torch.randn(n, dim), torch.randn(n, dim), torch.randn(n, dim)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     proximal = torch.cat([torch.arange(sinks), torch.arange(n - recent, n)])
     distant = torch.arange(sinks, n - recent)
     distant_logits = (q_low @ k_low[distant].T) * scale
     out, skipped = shared_attention(q_own, k_own[proximal], v_own[proximal], distant_logits, v_own[distant], scale)
-    expected = torch.stack([reference_pod(q_own[g], k_own, v_own, q_low[g], k_low, sinks, recent, scale) for g in range(group)])
+    expected = torch.stack(
+        [reference_pod(q_own[g], k_own, v_own, q_low[g], k_low, sinks, recent, scale) for g in range(group)]
+    )
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
     assert not skipped.any()
 
@@ -169,8 +180,13 @@ def test_shared_layout_never_writes_blocks_other_requests_read():
     plan = pages.layout(LENGTH, (2, 56))
     _apply(plan, buffer)
     _assert_laid_out(pages, buffer)
-    shared_slots = {(BASE[layer] + blocks[b] * HEADS + h) * BS + t
-                    for layer in range(LAYERS) for b in (0, 1) for h in range(HEADS) for t in range(BS)}
+    shared_slots = {
+        (BASE[layer] + blocks[b] * HEADS + h) * BS + t
+        for layer in range(LAYERS)
+        for b in (0, 1)
+        for h in range(HEADS)
+        for t in range(BS)
+    }
     assert not shared_slots & (set(plan.tokens.dst.tolist()) | set(plan.values.dst.tolist()))
     assert torch.equal(buffer[sorted(shared_slots)], before[sorted(shared_slots)])
     # Its own blocks first, then the cached ones from the last back; the shared ones are handed back.

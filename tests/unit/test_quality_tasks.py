@@ -75,7 +75,9 @@ def test_omnikv_ratio_is_one_minus_the_papers_mem_share():
 
 def test_policy_specs_carry_typed_options_and_their_own_budget():
     assert policy_grid(["adamix:mix=1,alpha=0.5@0.7", "keydiff"], ["0.5", "0.75"]) == [
-        ("adamix:mix=1,alpha=0.5", ["0.7"]), ("keydiff", ["0.5", "0.75"])]
+        ("adamix:mix=1,alpha=0.5", ["0.7"]),
+        ("keydiff", ["0.5", "0.75"]),
+    ]
     assert policy_options("adamix:mix=1,alpha=0.5") == {"kv_policy": "adamix", "kv_mix": 1, "kv_alpha": 0.5}
     assert policy_options("d2o:merge=false") == {"kv_policy": "d2o", "kv_merge": False}
 

@@ -59,12 +59,15 @@ def test_pyramid_budgets_fall_with_depth(prompt):
     assert as_lists(got_ada) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
-@pytest.mark.parametrize("mix, alpha, combine", [(0.5, 0.5, "blend"), (1.0, 0.5, "blend"), (1.0, 1.0, "blend"),
-                                                (0.5, 0.5, "union")])
+@pytest.mark.parametrize(
+    "mix, alpha, combine", [(0.5, 0.5, "blend"), (1.0, 0.5, "blend"), (1.0, 1.0, "blend"), (0.5, 0.5, "union")]
+)
 def test_adamix_allocates_over_combined_window_and_keydiff_ranks(prompt, mix, alpha, combine):
     scores = reference_mix_scores(prompt.keys, prompt.window_queries, WINDOW, KERNEL, mix, combine)
     counts = reference_ada_counts(scores, BUDGET - WINDOW, alpha)
-    got = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=mix, alpha=alpha, combine=combine).keep(prompt, BUDGET)
+    got = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=mix, alpha=alpha, combine=combine).keep(
+        prompt, BUDGET
+    )
     assert as_lists(got) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
@@ -143,8 +146,13 @@ def test_heads_split_over_ranks_keep_what_one_rank_keeps_with_every_head(prompt,
     kept = [None] * ranks
 
     def keep(rank: int) -> None:
-        local = PromptKV(prompt.keys[rank : rank + 1], prompt.window_queries[rank * G : (rank + 1) * G],
-                         layer=prompt.layer, num_layers=prompt.num_layers, heads=group.head_group(rank))
+        local = PromptKV(
+            prompt.keys[rank : rank + 1],
+            prompt.window_queries[rank * G : (rank + 1) * G],
+            layer=prompt.layer,
+            num_layers=prompt.num_layers,
+            heads=group.head_group(rank),
+        )
         kept[rank] = as_lists(policy.keep(local, BUDGET))
 
     threads = [threading.Thread(target=keep, args=(rank,)) for rank in range(ranks)]

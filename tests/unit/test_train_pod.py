@@ -89,7 +89,9 @@ def test_a_shared_layers_row_is_eq_3_4_with_the_lowest_layers_query_and_keys(t):
         for head in range(HEADS):
             kv_head, low = head // group, lowest[layer][head // group]
             low_query, low_key = recording.seen[low][:2]
-            expected = reference_row(t, query[head, t], key[kv_head], value[kv_head], low_query[head, t], low_key[kv_head], scale)
+            expected = reference_row(
+                t, query[head, t], key[kv_head], value[kv_head], low_query[head, t], low_key[kv_head], scale
+            )
             torch.testing.assert_close(output[t, head].double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -98,7 +100,9 @@ def test_gradients_reach_the_lowest_layer_through_the_shared_logits():
     torch.manual_seed(3)
     inputs, outputs = {}, {}
     for layer in (0, 1, 3):
-        inputs[layer] = [torch.randn(1, heads, 40, HEAD_DIM, requires_grad=True) for heads in (HEADS, KV_HEADS, KV_HEADS)]
+        inputs[layer] = [
+            torch.randn(1, heads, 40, HEAD_DIM, requires_grad=True) for heads in (HEADS, KV_HEADS, KV_HEADS)
+        ]
         module = SimpleNamespace(layer_idx=layer, training=True)
         outputs[layer] = sharing(module, *inputs[layer], None, scaling=HEAD_DIM**-0.5)[0]
     low_query, low_key, low_value = inputs[1]

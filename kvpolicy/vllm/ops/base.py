@@ -26,10 +26,17 @@ class KVOps(ABC):
     sums_prompts = False
 
     @abstractmethod
-    def plan(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, kv_heads: int, queries_per_kv: int) -> Any:
+    def plan(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        kv_heads: int,
+        queries_per_kv: int,
+    ) -> Any:
         """Prepare one attention call (``step.Planner``); the result travels in ``AttentionBatch.plan``."""
 
-    def stage(self, step: Step) -> None:
+    def stage(self, step: Step) -> None:  # noqa: B027 (a hook: most ops have nothing to stage)
         """Called once per step, after the builder made it: the ops may send its index tensors to where the
         cache is now, in one copy, rather than layer by layer (``ops/staging.py``)."""
 

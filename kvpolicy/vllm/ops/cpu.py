@@ -59,7 +59,7 @@ def by_head(tensor: torch.Tensor, rows: HeadRows, kv_heads: int, row_shape: tupl
     return tensor.reshape(-1, kv_heads, *row_shape)[rows.token_of, rows.head_of]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> PageLayout:
     """Discover where the cache writer puts (token, dim) inside a page, exactly.
 
@@ -96,10 +96,13 @@ def cpu_geometry(layout: PageLayout, cache: torch.Tensor) -> PageGeometry | None
     return PageGeometry(block_size, width // 2, heads, heads * page_elems, page_elems, *keys, *values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_torch_path(isa: str) -> None:
-    logger.warning("vLLM's CPU ISA %r packs KV pages non-affinely: kvpolicy's C++ ops cannot address them, "
-                   "token moves and scores take the slower torch path", isa)
+    logger.warning(
+        "vLLM's CPU ISA %r packs KV pages non-affinely: kvpolicy's C++ ops cannot address them, "
+        "token moves and scores take the slower torch path",
+        isa,
+    )
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class CacheViews:
     geometry: PageGeometry | None
 
     @classmethod
-    def of(cls, layer, cache: torch.Tensor) -> "CacheViews":
+    def of(cls, layer, cache: torch.Tensor) -> CacheViews:
         one_head = one_head_pages(cache)
         return cls(*split_kv(cache), one_head, *split_kv(one_head), cpu_geometry(cache_layout(layer, cache), cache))
 
@@ -274,7 +277,9 @@ class CPUOps(KVOps):
         impl = self.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
-            return kvpolicy_csrc.context_token_scores(query, cache, geometry, token_idx, page_ids, lengths, impl.scale).double()
+            return kvpolicy_csrc.context_token_scores(
+                query, cache, geometry, token_idx, page_ids, lengths, impl.scale
+            ).double()
         keys = cache_layout(layer, cache).page_key_blocks(self.views(layer, cache).one_head, page_ids)
         queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
         return context_scores(queries, keys, lengths)

@@ -93,9 +93,11 @@ class FlashVarlenCall:
     max_seqlen_q: int
     max_seqlen_k: int
 
-    def to(self, device: torch.device) -> "FlashVarlenCall":
-        moved = [t.to(device, non_blocking=True) for t in (self.token_of, self.head_of, self.cu_seqlens_q,
-                                                            self.seqused_k, self.block_table)]
+    def to(self, device: torch.device) -> FlashVarlenCall:
+        moved = [
+            t.to(device, non_blocking=True)
+            for t in (self.token_of, self.head_of, self.cu_seqlens_q, self.seqused_k, self.block_table)
+        ]
         return FlashVarlenCall(*moved, self.max_seqlen_q, self.max_seqlen_k)
 
     def queries(self, query: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpolicy.vllm.ops.base import KVOps
+from kvpolicy.vllm.ops.staging import StagedStep, copy_to
+from kvpolicy.vllm.step import AttentionBatch, HeadRows, step_tensors
 from kvpolicy_triton import (
     PageGeometry,
     context_token_scores,
@@ -24,9 +27,6 @@ from kvpolicy_triton import (
     scatter_tokens,
     write_slots,
 )
-from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.ops.staging import StagedStep, copy_to
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, step_tensors
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,9 @@ def _max_query_len(query_start_loc: torch.Tensor) -> int:
     return int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query_start_loc.numel() > 1 else 0
 
 
-def plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads: int, queries_per_kv: int) -> VirtualSequences:
+def plan_virtual_sequences(
+    query_start_loc, seq_lens, block_table, kv_heads: int, queries_per_kv: int
+) -> VirtualSequences:
     """The ``Planner`` of the Triton ops. Rows in vLLM's layout become ``kv_heads`` one-head sequences
     each (ordered row, head, position), over pages ``block * kv_heads + head``."""
     if kv_heads == 1 or query_start_loc.numel() == 1:
@@ -80,7 +82,9 @@ def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
 
     geometry = cpu_geometry(cache_layout(layer, cache), cache)
     if geometry is None:
-        raise RuntimeError(f"the Triton ops need an affine in-page layout; vLLM's CPU ISA {layer.isa!r} packs otherwise")
+        raise RuntimeError(
+            f"the Triton ops need an affine in-page layout; vLLM's CPU ISA {layer.isa!r} packs otherwise"
+        )
     return geometry
 
 
@@ -142,8 +146,17 @@ class TritonOps(KVOps):
         else:
             token_of, head_of = rows.token_of, rows.head_of
         indices = _on(cache.device, token_of, head_of, qsl, seq_lens, table)
-        paged_attention(query, out, cache, cache_geometry(layer, cache), *indices, self.impl.scale,
-                        self.impl.num_kv_heads, virtual.max_query_len, int(seq_lens.max()))
+        paged_attention(
+            query,
+            out,
+            cache,
+            cache_geometry(layer, cache),
+            *indices,
+            self.impl.scale,
+            self.impl.num_kv_heads,
+            virtual.max_query_len,
+            int(seq_lens.max()),
+        )
 
     def gather(self, layer, cache, slots):
         return gather_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots))
