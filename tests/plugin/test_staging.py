@@ -86,6 +86,7 @@ def test_only_the_bytes_a_step_views_are_sent():
     staged = StagedStep([rows], torch.device("cpu"))
     assert staged.buffer.numel() < 512 * 4 * 2 + staging.ALIGN
     assert torch.equal(staged.to_device([rows])[0], rows)
+    assert staged.on(persistent[:3]) is None, "a wider view of the storage was not staged"
 
 
 @pytest.mark.parametrize("staged_step", [True, False])

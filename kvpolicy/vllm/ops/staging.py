@@ -53,18 +53,18 @@ class StagedStep:
                 _, seen_first, seen_end = extents[address]
                 first, end = min(first, seen_first), max(end, seen_end)
             extents[address] = (tensor, first - first % ALIGN, end)
-        #: storage address -> (first host byte staged, its offset in the device buffer); the host
-        #: tensors stay referenced so their storages (and so the addresses) live as long as the step.
-        self.regions: dict[int, tuple[int, int]] = {}
+        #: storage address -> (first and end host byte staged, their offset in the device buffer); the
+        #: host tensors stay referenced so their storages (and so the addresses) live as long as the step.
+        self.regions: dict[int, tuple[int, int, int]] = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id -> (tensor, its view)
         self._sources = [tensor for tensor, _, _ in extents.values()]
         total = 0
         for address, (_, first, end) in extents.items():
-            self.regions[address] = (first, total)
+            self.regions[address] = (first, end, total)
             total += -(-(end - first) // ALIGN) * ALIGN
         host = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         for address, (tensor, first, end) in extents.items():
-            offset = self.regions[address][1]
+            offset = self.regions[address][2]
             storage = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
             host[offset : offset + end - first].copy_(storage[first:end])
         self.buffer = copy_to(self.device, [host])[0] if total else host.to(self.device)
@@ -83,10 +83,10 @@ class StagedStep:
         region = self.regions.get(tensor.untyped_storage().data_ptr())
         if region is None or not tensor.numel():
             return None
-        first, offset = region
-        start, _ = _byte_extent(tensor)
-        if start < first:
-            return None
+        first, end, offset = region
+        start, stop = _byte_extent(tensor)
+        if start < first or stop > end:
+            return None  # a view of more of the storage than the step's tensors viewed
         staged_offset = (offset + start - first) // tensor.element_size()
         view = torch.empty(0, dtype=tensor.dtype, device=self.device)
         return view.set_(self.buffer.untyped_storage(), staged_offset, tensor.shape, tensor.stride())
