@@ -28,7 +28,9 @@ Configs, in ``CONFIGS``: plain vLLM with its defaults (on CUDA: FlashAttention
 3, the V2 model runner, the asynchronous scheduler; on CPU: the CPU's own
 defaults, which already are CPU attention, V1 and synchronous); plain vLLM
 the way kvpolicy runs it (Triton attention, V1 runner, synchronous
-scheduler); and ``--kv-policy none``, ``adasnap`` and ``adamix`` at a budget.
+scheduler); and ``--kv-policy none``, ``adasnap`` and ``adamix`` at a budget;
+last, what the asynchronous scheduler is worth (plain vLLM as kvpolicy runs it
+with it on, and ``adasnap`` without prefix caching, which keeps it on).
 Rows run in ``ORDER`` (plain vLLM against adasnap on the tight and loose
 pools first), each under its own timeout; the JSON, table and plot are
 rewritten after every row, so a sweep cut short keeps what finished, and
@@ -187,6 +189,20 @@ CONFIGS = {
         "cuda_args": [],
         "env": {},
     },
+    # What the asynchronous scheduler is worth: kvpolicy keeps it unless a policy rewrites blocks with prefix
+    # caching on (vLLM's default, so the adasnap row above runs synchronously).
+    "vllm-triton-async": {
+        "label": "plain vLLM as kvpolicy runs it, asynchronous scheduler",
+        "args": [],
+        "cuda_args": ["--attention-backend", "TRITON_ATTN"],
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    },
+    "adasnap-async": {
+        "label": "--kv-policy adasnap without prefix caching, asynchronous scheduler",
+        "args": ["--kv-policy", "adasnap", "--kv-budget", "{budget}", "--no-enable-prefix-caching"],
+        "cuda_args": [],
+        "env": {},
+    },
 }
 BASELINES = {"vs_vllm_default": "vllm-default", "vs_vllm_triton_sync": "vllm-triton-sync"}
 #: Most important first: what a user compares (tight and loose), then what splits the difference.
@@ -206,6 +222,8 @@ ORDER = [
     ("vllm-triton-sync", "middle"),
     ("adamix", "middle"),
     ("none", "middle"),
+    ("vllm-triton-async", "tight"),
+    ("adasnap-async", "tight"),
 ]
 WARMUP = {"prompts": 2, "output_len": 16}
 SAMPLE_EVERY_S = 0.1
@@ -489,7 +507,7 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
             for key in ("peak_running", "mean_running", "device", "warmup_s", "sample_read_ms", "pool_empty_after")
         }
         row |= {"preemptions": int(counters["num_preemptions"]), "counters": counters, "engine": probe["engine"]}
-        if name not in ("vllm-default", "vllm-triton-sync"):
+        if CONFIGS[name]["args"][:1] == ["--kv-policy"]:
             row["released_blocks_per_request"] = counters["kvpolicy_released_blocks"] / row["prompts"]
             if counters["kvpolicy_prompt_kv_tokens"]:
                 row["kept_fraction"] = counters["kvpolicy_kept_kv_tokens"] / counters["kvpolicy_prompt_kv_tokens"]
