@@ -102,13 +102,13 @@ def request_budget(label: str, prompt_len: int, policy: str = "none", num_layers
     its sparse layers' budget is what ``--kv-ratio`` (Mem%) gives, so the full-attention layers count in it.
     """
     from kvpolicy.config import KVPolicyConfig
-    from kvpolicy.policies import POLICIES
+    from kvpolicy.policies import POLICIES, Mode
 
     fields = budget_fields(label)
     if fields["ratio"] is None:
         return fields["budget"]
     options = {key.removeprefix("kv_"): value for key, value in policy_options(policy).items()}
-    if POLICIES[options["policy"]].selects_context:
+    if POLICIES[options["policy"]].mode is Mode.SELECT:
         return KVPolicyConfig(**options, ratio=1 - fields["ratio"]).sparse_budget(prompt_len, num_layers)
     return round((1 - fields["ratio"]) * prompt_len)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from kvpolicy.policies import POLICIES, make_policy
+from kvpolicy.policies import POLICIES, Mode, make_policy
 
 #: OmniKV defaults for the default model (30 layers), from ``python -m kvpolicy.calibrate`` (docs/policies.md).
 OMNIKV_FILTER_LAYERS = (2, 9, 15)
@@ -76,11 +76,11 @@ class KVPolicyConfig:
             raise KVPolicyConfigError(f"--kv-dense-layers must be >= 0, got {self.dense_layers}")
         policy = POLICIES[self.policy]
         if self.offload is not None:
-            if not policy.selects_context:
+            if policy.mode is not Mode.SELECT:
                 raise KVPolicyConfigError(f"--kv-offload applies to --kv-policy omnikv, not {self.policy}")
             if self.offload <= 0:
                 raise KVPolicyConfigError(f"--kv-offload is the host pool's size in GiB, > 0; got {self.offload}")
-        if (self.pod_tau is not None or self.pod_groups is not None) and not policy.shares_scores:
+        if (self.pod_tau is not None or self.pod_groups is not None) and policy.mode is not Mode.SHARE:
             raise KVPolicyConfigError(f"--kv-pod-tau and --kv-pod-groups apply to --kv-policy pod, not {self.policy}")
         if self.pod_tau is not None and not 0.0 <= self.pod_tau <= 1.0:
             raise KVPolicyConfigError(f"--kv-pod-tau is a gate threshold in [0, 1], got {self.pod_tau}")
@@ -97,7 +97,7 @@ class KVPolicyConfig:
             raise KVPolicyConfigError(f"--kv-tp-allocation is exact or rank, got {self.tp_allocation!r}")
         if self.page_pool not in (None, "model", "layer"):
             raise KVPolicyConfigError(f"--kv-page-pool is model or layer, got {self.page_pool!r}")
-        if self.page_pool is not None and (not policy.relocates or policy.shares_scores):
+        if self.page_pool is not None and policy.mode is not Mode.RELOCATE:
             raise KVPolicyConfigError(
                 f"--kv-page-pool applies to policies that relocate pages per layer, not to --kv-policy {self.policy}"
             )
@@ -119,7 +119,7 @@ class KVPolicyConfig:
     @property
     def compresses(self) -> bool:
         """Whether requests leave vLLM's stock layout (anything but ``none`` and ``omnikv``)."""
-        return POLICIES[self.policy].relocates
+        return POLICIES[self.policy].mode in (Mode.RELOCATE, Mode.SHARE)
 
     @property
     def rewrites_blocks(self) -> bool:
@@ -129,7 +129,7 @@ class KVPolicyConfig:
     @property
     def changes_attention(self) -> bool:
         """Whether some request attends to anything but vLLM's stock cache (anything but ``none``)."""
-        return self.compresses or POLICIES[self.policy].selects_context
+        return self.compresses or POLICIES[self.policy].mode is Mode.SELECT
 
     def sparse_budget(self, context_len: int, num_layers: int, override: int | None = None) -> int:
         """OmniKV: tokens a sparse layer attends to at this context length (``--kv-ratio`` is Mem%)."""

@@ -3,7 +3,7 @@
 from dataclasses import fields
 
 from kvpolicy.policies.adamix import AdaMix
-from kvpolicy.policies.base import CompressedKV, HeadGroup, Policy, PromptKV
+from kvpolicy.policies.base import CompressedKV, HeadGroup, Mode, Policy, PromptKV
 from kvpolicy.policies.d2o import D2O
 from kvpolicy.policies.h2o import H2O
 from kvpolicy.policies.keydiff import KeyDiff
@@ -39,4 +39,4 @@ def make_policy(name: str, **options) -> Policy:
     return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
 
 
-__all__ = ["POLICIES", "CompressedKV", "HeadGroup", "Policy", "PromptKV", "make_policy"]
+__all__ = ["POLICIES", "CompressedKV", "HeadGroup", "Mode", "Policy", "PromptKV", "make_policy"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -94,12 +95,24 @@ class CompressedKV:
     threshold: torch.Tensor | None = None
 
 
+class Mode(enum.Enum):
+    """How the engine runs a policy; each mode has its own per-request state, step builder and attention path."""
+
+    #: vLLM's own layout and attention, untouched (``none``).
+    STOCK = "stock"
+    #: Once its prompt is read, a request moves to per-(layer, KV head) pages holding only what the policy keeps.
+    RELOCATE = "relocate"
+    #: Nothing moves; in decode some layers attend only to the pages other layers selected (OmniKV).
+    SELECT = "select"
+    #: The request is laid out over every layer's pages at once, some layers reusing a lower layer's logits (PoD).
+    SHARE = "share"
+
+
 @dataclass(frozen=True)
 class Policy:
     """A compression policy: which prompt tokens each KV head keeps.
 
-    ``relocates``: requests leave vLLM's stock layout for per-(request, layer,
-    kv-head) pages once their prompt is read. ``needs_window``: the backend
+    ``mode``: how the engine runs it (``Mode``). ``needs_window``: the backend
     must hand over the last ``window`` prompt queries. ``needs_queries``: it
     must hand over every prompt query, or the column sums of their attention
     (``PromptKV.column_sums``), and the values.
@@ -113,17 +126,13 @@ class Policy:
     head of a layer. ``accumulates_attention``: in decode, each new token's
     attention weights over the cache are added to the cached tokens'
     ``scores`` (the backend computes them beside the fused kernel).
-    ``selects_context``: nothing is relocated; in decode, some layers attend
-    only to the pages other layers selected (OmniKV). ``family``: policies that
+    ``family``: policies that
     differ only in which tokens ``compress`` keeps (same flags, same inputs), so
     one server can serve any of them per request; by default its own name.
-    ``shares_scores``: in decode, some layers reuse a lower layer's attention logits for the
-    prompt's distant tokens and keep only their values (PoD); the engine lays the request out
-    over every layer's pages at once instead of ``keep``-ing per layer.
     """
 
     name: ClassVar[str]
-    relocates: ClassVar[bool]
+    mode: ClassVar[Mode]
     needs_window: ClassVar[bool] = False
     needs_queries: ClassVar[bool] = False
     needs_budget: ClassVar[bool] = True
@@ -131,8 +140,6 @@ class Policy:
     evicts_while_reading: ClassVar[bool] = False
     evicts_in_decode: ClassVar[bool] = False
     accumulates_attention: ClassVar[bool] = False
-    selects_context: ClassVar[bool] = False
-    shares_scores: ClassVar[bool] = False
     family: ClassVar[str | None] = None
 
     @classmethod

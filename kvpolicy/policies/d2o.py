@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import CompressedKV, Policy, PromptKV
+from kvpolicy.policies.base import CompressedKV, Mode, Policy, PromptKV
 from kvpolicy.policies.h2o import attention_column_sums, group_mean, heavy_hitters, prompt_column_sums
 
 
@@ -131,7 +131,7 @@ class D2O(Policy):
     """
 
     name = "d2o"
-    relocates = True
+    mode = Mode.RELOCATE
     needs_queries = True
     budgets_across_layers = True
     evicts_in_decode = True

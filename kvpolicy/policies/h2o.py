@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.policies.base import CompressedKV, Policy, PromptKV
+from kvpolicy.policies.base import CompressedKV, Mode, Policy, PromptKV
 
 
 def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -110,7 +110,7 @@ class H2O(Policy):
     """Heavy hitters by accumulated attention (the prompt's, then each generated token's), plus the recent tokens."""
 
     name = "h2o"
-    relocates = True
+    mode = Mode.RELOCATE
     needs_queries = True
     evicts_in_decode = True
     accumulates_attention = True

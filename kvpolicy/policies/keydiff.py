@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.base import Mode, Policy, PromptKV
 
 
 def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ class KeyDiff(Policy):
     """KeyDiff over whatever the cache holds: the engine applies it at every prompt chunk and as decode fills pages."""
 
     name = "keydiff"
-    relocates = True
+    mode = Mode.RELOCATE
     evicts_while_reading = True
     evicts_in_decode = True
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.policies.base import Policy
+from kvpolicy.policies.base import Mode, Policy
 
 SELECTORS = ("last", "uniform", "exponential")
 
@@ -105,8 +105,7 @@ class OmniKV(Policy):
     """
 
     name = "omnikv"
-    relocates = False
-    selects_context = True
+    mode = Mode.SELECT
     filter_layers: tuple[int, ...] = ()
     dense_layers: int = 0
 

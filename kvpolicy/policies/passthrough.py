@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.base import Mode, Policy, PromptKV
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class NoPolicy(Policy):
     """``none``: every request stays on vLLM's stock path."""
 
     name = "none"
-    relocates = False
+    mode = Mode.STOCK
     needs_budget = False
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
@@ -26,7 +26,7 @@ class IdentityPolicy(Policy):
     """``identity``: relocate every prompt into per-head pages, keeping every token."""
 
     name = "identity"
-    relocates = True
+    mode = Mode.RELOCATE
     needs_budget = False
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.base import Mode, Policy, PromptKV
 
 #: The grouping shipped for the default model (``python -m kvpolicy.calibrate_pod``).
 DEFAULT_GROUPS = Path(__file__).resolve().parent.parent / "data" / "pod_groups_smollm2.json"
@@ -173,9 +173,8 @@ class PoD(Policy):
     """Which tokens are proximal, and which layers keep distant keys (``LayerGroups`` from ``groups``)."""
 
     name = "pod"
-    relocates = True
+    mode = Mode.SHARE
     needs_budget = False
-    shares_scores = True
     sink_tokens: int = 16
     recent_tokens: int = 1008
     tau: float | None = None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.base import Mode, Policy, PromptKV
 
 
 def window_scores(keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel: int) -> torch.Tensor:
@@ -93,7 +93,7 @@ class SnapKV(Policy):
 
     name = "snapkv"
     family = "snapkv"
-    relocates = True
+    mode = Mode.RELOCATE
     needs_window = True
     window: int = 32
     pool_kernel: int = 7

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.policies.base import Policy, PromptKV
+from kvpolicy.policies.base import Mode, Policy, PromptKV
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class StreamingLLM(Policy):
     """Keep the first ``sink_tokens`` and the last ``budget - sink_tokens`` tokens of every head."""
 
     name = "streaming"
-    relocates = True
+    mode = Mode.RELOCATE
     sink_tokens: int = 4
 
     def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:

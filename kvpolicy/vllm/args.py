@@ -14,7 +14,7 @@ import os
 from dataclasses import fields
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_policy_name
-from kvpolicy.policies import POLICIES
+from kvpolicy.policies import POLICIES, Mode
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
     MODEL_RUNNER_V2_ENV,
@@ -332,7 +332,7 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
         )
     if not model_config.is_attention_free and model_config.is_hybrid:
         raise KVPolicyConfigError(f"{model_config.model} is a hybrid model; use --kv-policy none")
-    if POLICIES[config.policy].selects_context:
+    if POLICIES[config.policy].mode is Mode.SELECT:
         num_layers = model_config.get_num_layers(vllm_config.parallel_config)
         try:
             config.make_policy().source_layers(num_layers)
@@ -342,7 +342,7 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
             ) from None
         if config.ratio is not None:
             config.sparse_budget(model_config.max_model_len, num_layers)
-    if POLICIES[config.policy].shares_scores:
+    if POLICIES[config.policy].mode is Mode.SHARE:
         _check_pod_groups(config, vllm_config)
 
 

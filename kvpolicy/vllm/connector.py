@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.paging import OffloadedRequest, RequestPages
-from kvpolicy.policies import POLICIES
+from kvpolicy.policies import POLICIES, Mode
 from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
@@ -102,7 +102,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         if config is not None and config.reserve_growth:
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
         self._moves_after_prompt = config is not None and (
-            POLICIES[config.policy].shares_scores or config.offload is not None
+            POLICIES[config.policy].mode is Mode.SHARE or config.offload is not None
         )
 
     def growth_blocks(self) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages, SharedPages, write_order
-from kvpolicy.policies import HeadGroup, Policy
+from kvpolicy.policies import HeadGroup, Mode, Policy
 
 
 @dataclass
@@ -112,20 +112,13 @@ class WorkerState:
         self._page_space = None
 
     @property
-    def relocates(self) -> bool:
-        return self.policy is not None and self.policy.relocates and self.runner is not None
-
-    @property
-    def selects_context(self) -> bool:
-        return self.policy is not None and self.policy.selects_context and self.runner is not None
-
-    @property
-    def shares_scores(self) -> bool:
-        return self.policy is not None and self.policy.shares_scores and self.runner is not None
+    def mode(self) -> Mode:
+        """The mode this worker runs its policy in; STOCK until the runner is known."""
+        return Mode.STOCK if self.policy is None or self.runner is None else self.policy.mode
 
     @property
     def offloads(self) -> bool:
-        return self.selects_context and self.config.offload is not None
+        return self.mode is Mode.SELECT and self.config.offload is not None
 
     @property
     def block_bytes(self) -> int:

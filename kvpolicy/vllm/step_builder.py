@@ -16,6 +16,7 @@ import torch
 
 from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
 from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedPages, stock_slots
+from kvpolicy.policies import Mode
 from kvpolicy.vllm.internals import host_batch_tensors
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import (
@@ -84,11 +85,12 @@ class StepBuilder:
 
     def build(self, cam) -> Step | None:
         """``cam``: vLLM's ``CommonAttentionMetadata`` of the step. None: every row takes the stock path."""
-        if WORKER_STATE.selects_context:
+        mode = WORKER_STATE.mode
+        if mode is Mode.SELECT:
             return self._selecting(HostBatch.of(cam, WORKER_STATE.runner))
-        if WORKER_STATE.shares_scores:
+        if mode is Mode.SHARE:
             return self._sharing(HostBatch.of(cam, WORKER_STATE.runner))
-        if WORKER_STATE.relocates:
+        if mode is Mode.RELOCATE:
             return self._relocating(HostBatch.of(cam, WORKER_STATE.runner))
         return None
 

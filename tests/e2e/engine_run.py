@@ -266,9 +266,10 @@ def main() -> int:
         **kwargs,
     )
     if args.capture:
+        from kvpolicy.policies import Mode
         from kvpolicy.vllm.state import WORKER_STATE
 
-        if WORKER_STATE.policy.shares_scores:
+        if WORKER_STATE.policy.mode is Mode.SHARE:
             capturing = capture_shared_attention()
         else:
             WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)

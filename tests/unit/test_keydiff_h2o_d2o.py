@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvpolicy.policies import POLICIES, PromptKV, make_policy
+from kvpolicy.policies import POLICIES, Mode, PromptKV, make_policy
 from kvpolicy.policies.d2o import D2O, layer_budgets, merge_evicted, prompt_attention_variance
 from kvpolicy.policies.h2o import H2O, add_new_token, new_token_attention
 from kvpolicy.policies.keydiff import keydiff_block_step
@@ -81,7 +81,7 @@ def as_lists(keep):
 
 
 def test_registry_has_keydiff_h2o_and_d2o():
-    assert POLICIES["keydiff"].relocates and not POLICIES["keydiff"].needs_window
+    assert POLICIES["keydiff"].mode is Mode.RELOCATE and not POLICIES["keydiff"].needs_window
     assert POLICIES["h2o"] is H2O and POLICIES["d2o"] is D2O
     assert D2O.budgets_across_layers and not H2O.budgets_across_layers
     assert H2O.needs_queries and D2O.needs_queries and not POLICIES["keydiff"].needs_queries
