@@ -16,14 +16,16 @@ from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.per_head import PerHeadPath
 from kvpolicy.vllm.selection import SelectionPath
 from kvpolicy.vllm.sharing import SharingPath
+from kvpolicy.vllm.stage import STAGE
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import RelocatingStep, SelectingStep, SharingStep, Step
 
 
 @functools.cache
 def layer_index(layer_name: str) -> int:
-    """vLLM's index of an attention layer, parsed once per name: every layer asks at every step."""
-    return extract_layer_index(layer_name)
+    """The index of an attention layer within this worker's stage, parsed once per name: every layer
+    asks at every step."""
+    return extract_layer_index(layer_name) - STAGE.first_layer
 
 
 def step_of(metadata) -> Step | None:

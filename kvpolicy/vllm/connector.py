@@ -50,6 +50,7 @@ from kvpolicy.vllm.internals import (
     stop_caching,
 )
 from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
+from kvpolicy.vllm.stage import STAGE
 from kvpolicy.vllm.state import WORKER_STATE
 
 
@@ -199,8 +200,8 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVPolicyStats | None:
         report = WORKER_STATE.take_report()
-        if WORKER_STATE.tp_rank:
-            # Every rank sees the same requests and blocks: those counts come from the first rank only.
+        if WORKER_STATE.tp_rank or STAGE.rank:
+            # Every rank and stage sees the same requests and blocks: those counts come from the first only.
             report = {key: value for key, value in report.items() if key not in PER_REQUEST}
         return KVPolicyStats(data=report) if report else None
 

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-from vllm.distributed.parallel_state import get_tp_group
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.forward_context import get_forward_context
@@ -161,6 +161,28 @@ def tensor_parallel_gather():
     return group.rank_in_group, group.world_size, gather
 
 
+def pipeline_stage() -> tuple[int, int]:
+    """``(rank, size)`` of this worker's pipeline-parallel group: rank 0 holds the first layers."""
+    group = get_pp_group()
+    return group.rank_in_group, group.world_size
+
+
+def ensure_intermediate_tensors(runner) -> None:
+    """Give a later pipeline stage's runner its buffer for the hidden states it receives.
+
+    The V1 runner makes ``intermediate_tensors`` in ``_dummy_run``; vLLM's CPU
+    runner runs that only to warm up compilation (``CPUModelRunner.warming_up_model``),
+    so with ``--enforce-eager`` a later stage's first step fails on
+    ``assert self.intermediate_tensors is not None``
+    (``GPUModelRunner.sync_and_gather_intermediate_tensors``), with or without kvpolicy.
+    """
+    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )
+
+
 #: ``num_cached_block`` past any request's length: ``cache_blocks`` finds nothing left to cache.
 NEVER_CACHE = 1 << 62
 
@@ -196,8 +218,10 @@ __all__ = [
     "kv_cache_utils",
     "has_kv_transfer_group",
     "ops",
+    "pipeline_stage",
     "register_backend",
     "block_sharing",
+    "ensure_intermediate_tensors",
     "held_blocks",
     "host_batch_tensors",
     "reserve_for_admissions",

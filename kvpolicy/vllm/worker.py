@@ -10,7 +10,14 @@ from __future__ import annotations
 import importlib
 
 from kvpolicy.vllm.args import stored_config
-from kvpolicy.vllm.internals import CPU_WORKER_MODULE, GPU_WORKER_MODULE, tensor_parallel_gather
+from kvpolicy.vllm.internals import (
+    CPU_WORKER_MODULE,
+    GPU_WORKER_MODULE,
+    ensure_intermediate_tensors,
+    pipeline_stage,
+    tensor_parallel_gather,
+)
+from kvpolicy.vllm.stage import STAGE
 from kvpolicy.vllm.state import WORKER_STATE
 
 #: class name -> (vLLM's worker module, its worker class)
@@ -27,11 +34,20 @@ class KVPolicyWorkerHooks:
     def init_device(self):
         super().init_device()
         parallel = self.vllm_config.parallel_config.tensor_parallel_size > 1
+        STAGE.rank, _ = pipeline_stage()
+        STAGE.first_layer, _ = self.vllm_config.model_config.get_layers_start_end_indices(
+            self.vllm_config.parallel_config
+        )
         WORKER_STATE.configure(
             stored_config(self.vllm_config.additional_config),
             self.model_runner,
             tensor_parallel_gather() if parallel else None,
         )
+
+    def compile_or_warm_up_model(self):
+        times = super().compile_or_warm_up_model()
+        ensure_intermediate_tensors(self.model_runner)
+        return times
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         WORKER_STATE.forget(scheduler_output.finished_req_ids)

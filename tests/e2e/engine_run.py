@@ -186,6 +186,8 @@ def main() -> int:
     parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching")
     parser.add_argument("--no-reserve-growth", action="store_true", help="--kv-reserve-growth false: vLLM's admission")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-parallel-size, one core per rank")
+    parser.add_argument("--pipeline-parallel", type=int, default=1, help="--pipeline-parallel-size, one core per stage")
+    parser.add_argument("--kv-transfer-config", default=None, help="vLLM's --kv-transfer-config, as JSON")
     parser.add_argument("--tp-allocation", default=None, help="--kv-tp-allocation exact|rank")
     parser.add_argument("--page-pool", default=None, help="--kv-page-pool model|layer")
     parser.add_argument(
@@ -235,7 +237,13 @@ def main() -> int:
         kwargs["kv_offload"] = args.offload
     if args.tensor_parallel > 1:
         kwargs["tensor_parallel_size"] = args.tensor_parallel
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tensor_parallel))))
+    if args.pipeline_parallel > 1:
+        kwargs["pipeline_parallel_size"] = args.pipeline_parallel
+    ranks = args.tensor_parallel * args.pipeline_parallel
+    if ranks > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
+    if args.kv_transfer_config:
+        kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     if args.tp_allocation:
         kwargs["kv_tp_allocation"] = args.tp_allocation
     if args.block_size:
