@@ -15,6 +15,7 @@ from dataclasses import fields
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_policy_name
 from kvpolicy.policies import POLICIES, Mode
+from kvpolicy.vllm.connectors import compose, offloading_child
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
     MODEL_RUNNER_V2_ENV,
@@ -22,12 +23,13 @@ from kvpolicy.vllm.internals import (
     AttentionBackendEnum,
     EngineArgs,
     InputProcessor,
-    KVTransferConfig,
     SamplingParams,
     VllmConfig,
     VLLMValidationError,
     current_platform,
+    envs,
 )
+from kvpolicy.vllm.parallel import check_pipeline, prepare_pipeline
 
 ARG_GROUP = "KVPolicy"
 CONNECTOR_NAME = "KVPolicyConnector"
@@ -234,9 +236,8 @@ def _store(engine_args: EngineArgs, config: KVPolicyConfig | None) -> None:
 
 def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> None:
     """Point vLLM at our connector and worker; refuse combinations we cannot serve."""
-    if engine_args.kv_transfer_config is not None:
-        raise KVPolicyConfigError("--kv-policy installs its own KV connector; drop --kv-transfer-config")
     worker_cls = _platform_worker(engine_args, config)
+    prepare_pipeline(engine_args, config)
     # vLLM's asynchronous scheduler (its CUDA default) schedules a step before it reads the step
     # before's report; a request admitted then may hit the prefix cache on blocks that step relocated
     # into, whose hashes leave the cache only with the report (connector.py).
@@ -258,14 +259,24 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
     # (one per local rank) instead of the extra core it reserves for any connector.
     ranks = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
     os.environ.setdefault(CPU_RESERVED_CORES_ENV, str(ranks))
-    engine_args.kv_transfer_config = KVTransferConfig(
-        kv_connector=CONNECTOR_NAME,
-        kv_role="kv_both",
-        kv_connector_module_path=CONNECTOR_MODULE,
+    engine_args.kv_transfer_config = compose(
+        engine_args.kv_transfer_config,
+        {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE},
+        config,
+        on_cpu=current_platform.is_cpu(),
+        offloading=_take_offloading(engine_args),
     )
     if engine_args.worker_cls not in ("auto", worker_cls):
         raise KVPolicyConfigError("--kv-policy needs its own worker class; drop --worker-cls")
     engine_args.worker_cls = worker_cls
+
+
+def _take_offloading(engine_args: EngineArgs) -> dict | None:
+    """``--kv-offloading-size`` as the connector vLLM would make of it, which would replace kvpolicy's."""
+    size, engine_args.kv_offloading_size = engine_args.kv_offloading_size, None
+    if size is None:
+        return None
+    return offloading_child(size, engine_args.kv_offloading_backend, envs.VLLM_USE_SIMPLE_KV_OFFLOAD)
 
 
 def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
@@ -303,6 +314,7 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
     """Shapes and features the per-head backend cannot serve, refused before the model loads."""
     model_config = vllm_config.model_config
     config.check_model_len(model_config.max_model_len)
+    check_pipeline(config, vllm_config.parallel_config.pipeline_parallel_size)
     if not config.changes_attention:
         return
     head_size = model_config.get_head_size()

@@ -62,6 +62,15 @@ class KVPolicyConnectorMetadata(KVConnectorMetadata):
     sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
+def own_metadata(metadata: KVConnectorMetadata | None) -> KVPolicyConnectorMetadata | None:
+    """kvpolicy's part of a step's connector metadata: all of it, or its child's in vLLM's
+    ``MultiConnector`` (``MultiKVConnectorMetadata.metadata``, in the connectors' order)."""
+    for part in (metadata, *getattr(metadata, "metadata", ())):
+        if isinstance(part, KVPolicyConnectorMetadata):
+            return part
+    return None
+
+
 @dataclass
 class BlockReleases(KVConnectorWorkerMetadata):
     """Worker -> scheduler: of its first ``seen[req]`` block-table positions (those the step had),

@@ -12,6 +12,7 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import KVTransferConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -161,6 +162,14 @@ def tensor_parallel_gather():
     return group.rank_in_group, group.world_size, gather
 
 
+def name_connector(name: str, module_path: str) -> None:
+    """Register connector class ``name`` of ``module_path`` in vLLM's factory, once: ``MultiConnector``
+    rebuilds each child's stats in the API server from the child's class name
+    (``MultiConnector.build_kv_connector_stats``, ``KVConnectorFactory.get_connector_class_by_name``)."""
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module_path, name)
+
+
 def pipeline_stage() -> tuple[int, int]:
     """``(rank, size)`` of this worker's pipeline-parallel group: rank 0 holds the first layers."""
     group = get_pp_group()
@@ -217,6 +226,7 @@ __all__ = [
     "get_kv_transfer_group",
     "kv_cache_utils",
     "has_kv_transfer_group",
+    "name_connector",
     "ops",
     "pipeline_stage",
     "register_backend",

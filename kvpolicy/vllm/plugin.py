@@ -8,15 +8,16 @@ _registered = False
 
 
 def register() -> None:
-    """Install the kv_* options, the KV sizing of bounded policies and the platform's kvpolicy backend. Idempotent."""
+    """Install the kv_* options, kvpolicy's connector by name, the KV sizing of bounded policies and the platform's kvpolicy backend. Idempotent."""
     global _registered
     if _registered:
         return
     from kvpolicy.vllm.admission import patch_kv_memory_check
-    from kvpolicy.vllm.args import patch_engine_args
-    from kvpolicy.vllm.internals import AttentionBackendEnum, current_platform, register_backend
+    from kvpolicy.vllm.args import CONNECTOR_MODULE, CONNECTOR_NAME, patch_engine_args
+    from kvpolicy.vllm.internals import AttentionBackendEnum, current_platform, name_connector, register_backend
 
     patch_engine_args()
+    name_connector(CONNECTOR_NAME, CONNECTOR_MODULE)
     patch_kv_memory_check()
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_CLS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from kvpolicy.vllm.args import stored_config
+from kvpolicy.vllm.connector import own_metadata
 from kvpolicy.vllm.internals import (
     CPU_WORKER_MODULE,
     GPU_WORKER_MODULE,
@@ -52,7 +53,8 @@ class KVPolicyWorkerHooks:
     def execute_model(self, scheduler_output, *args, **kwargs):
         WORKER_STATE.forget(scheduler_output.finished_req_ids)
         WORKER_STATE.forget(scheduler_output.preempted_req_ids)
-        WORKER_STATE.block_sharing = getattr(scheduler_output.kv_connector_metadata, "sharing", None) or {}
+        metadata = own_metadata(scheduler_output.kv_connector_metadata)
+        WORKER_STATE.block_sharing = metadata.sharing if metadata is not None else {}
         return super().execute_model(scheduler_output, *args, **kwargs)
 
 

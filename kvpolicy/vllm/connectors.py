@@ -1,0 +1,144 @@
+"""kvpolicy's connector beside the KV connectors a deployment already names.
+
+vLLM has one KV-connector slot (``--kv-transfer-config``) and kvpolicy's
+channel between scheduler and workers (connector.py) takes it. Another
+connector joins through vLLM's ``MultiConnector``, kvpolicy's first: each
+child gets its own metadata, reports and stats, and only a child that finds
+external tokens loads them (kvpolicy never does). ``--kv-offloading-size``,
+which vLLM turns into a connector of its own, joins the same way.
+
+What such a connector may do beside a policy that rewrites blocks is narrow.
+kvpolicy packs a completed prompt's kept pages into the request's own blocks
+after the step's last layer and hands the rest back; from then on the
+request's blocks hold pages, not the tokens their hashes name, and what it
+computes next was computed over a compressed context (kvpolicy's own prefix
+cache drops them: ``stop_caching``). Every connector in vLLM 0.32 that saves
+KV copies blocks by their token hashes after that point: the offloading
+connector defers a step's stores to the start of the next step
+(``OffloadingConnectorWorker.prepare_store_kv``), LMCache saves at the end of
+the forward (``wait_for_save``) or layer by layer, the example connector in
+``save_kv_layer``, NIXL and Mooncake send a finished prefill's blocks to a
+decode instance. Each would serve pages as tokens to a later request or
+another instance: refused, each with its reason. Policies that leave blocks
+as vLLM wrote them (``omnikv`` without ``--kv-offload``) run beside any of
+them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.vllm.internals import KVTransferConfig
+
+MULTI_CONNECTOR = "MultiConnector"
+
+#: vLLM's connectors that copy the device's KV blocks to host memory: their workers run on CUDA and XPU
+#: only (``CPUOffloadingSpec.get_worker``: "CPU Offloading is currently only supported on CUDA-alike and
+#: XPU GPUs"; ``SimpleCPUOffloadWorker`` makes ``torch.cuda.Stream``s).
+HOST_OFFLOADING = frozenset({"OffloadingConnector", "SimpleCPUOffloadConnector"})
+
+#: connector -> when it copies blocks out, after kvpolicy may have packed pages into them
+SAVES_AFTER_PACKING = {
+    "OffloadingConnector": "it stores a step's blocks at the start of the next step, after the prompt's pages were packed",
+    "SimpleCPUOffloadConnector": "it stores blocks after the forward that packed the prompt's pages",
+    "LMCacheConnectorV1": "it saves a prompt's KV at the end of the forward (or layer by layer), after packing",
+    "LMCacheMPConnector": "it saves a prompt's KV at the end of the forward (or layer by layer), after packing",
+    "ExampleConnector": "it saves a prompt's blocks layer by layer in the forward that reads it and packs them",
+}
+
+#: ``kv_role`` of prefill/decode disaggregation (NIXL, Mooncake, P2P NCCL, ...)
+DISAGGREGATED_ROLES = frozenset({"kv_producer", "kv_consumer"})
+
+
+def _as_config(value: KVTransferConfig | dict | str | None) -> KVTransferConfig | None:
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    if isinstance(value, str):
+        import json
+
+        value = json.loads(value)
+    return KVTransferConfig(**value)
+
+
+def _child(config: KVTransferConfig) -> dict[str, Any]:
+    """A connector's own settings, as ``MultiConnector`` takes them (``kv_connector_extra_config.connectors``)."""
+    defaults = KVTransferConfig()
+    return {
+        f.name: getattr(config, f.name)
+        for f in fields(KVTransferConfig)
+        if f.name != "engine_id" and getattr(config, f.name) != getattr(defaults, f.name)
+    }
+
+
+def offloading_child(size_gib: float, backend: str, simple: bool) -> dict[str, Any]:
+    """The connector vLLM makes of ``--kv-offloading-size`` (``VllmConfig._post_init_kv_transfer_config``)."""
+    if backend == "lmcache":
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
+    return {
+        "kv_connector": "SimpleCPUOffloadConnector" if simple else "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": size_gib * (1 << 30)},
+    }
+
+
+def refusal(child: dict[str, Any], config: KVPolicyConfig, on_cpu: bool) -> str | None:
+    """Why ``child`` cannot run beside ``--kv-policy``, or None when it can."""
+    name = child.get("kv_connector") or "?"
+    if on_cpu and name in HOST_OFFLOADING:
+        return (
+            f"vLLM's {name} copies KV blocks from accelerator to host memory and runs on CUDA and XPU only; "
+            "on vLLM's CPU platform the KV cache already is host memory"
+        )
+    if not config.rewrites_blocks:
+        return None
+    if child.get("kv_role") in DISAGGREGATED_ROLES:
+        return (
+            f"prefill/decode disaggregation ({name}, {child['kv_role']}) moves a request's blocks between "
+            f"instances, and --kv-policy {config.policy} packs pages into them that only this instance's "
+            "workers can read"
+        )
+    why = SAVES_AFTER_PACKING.get(name, "it may copy a request's blocks after its pages were packed into them")
+    return (
+        f"{name} saves KV by token hashes, and --kv-policy {config.policy} packs a prompt's kept pages into its "
+        f"blocks: {why}, so a later prompt would be served pages as tokens"
+    )
+
+
+def compose(
+    given: KVTransferConfig | dict | str | None,
+    own: dict[str, Any],
+    config: KVPolicyConfig,
+    on_cpu: bool,
+    offloading: dict[str, Any] | None = None,
+) -> KVTransferConfig:
+    """kvpolicy's connector ``own`` alone, or first in a ``MultiConnector`` with the connectors ``given``
+    (one, or a ``MultiConnector``'s) and ``offloading``; a connector that cannot run beside the policy
+    is refused with the reason."""
+    given = _as_config(given)
+    if given is None:
+        others, base = [], KVTransferConfig(kv_role="kv_both")
+    elif given.kv_connector == MULTI_CONNECTOR:
+        others, base = list(given.kv_connector_extra_config.get("connectors", [])), given
+    else:
+        others, base = [_child(given)], KVTransferConfig(kv_role="kv_both", engine_id=given.engine_id)
+    if offloading is not None:
+        others.append(offloading)
+    for child in others:
+        if child.get("kv_connector") == own["kv_connector"]:
+            raise KVPolicyConfigError("--kv-policy installs its own KV connector; drop it from --kv-transfer-config")
+        why = refusal(child, config, on_cpu)
+        if why is not None:
+            raise KVPolicyConfigError(
+                f"--kv-policy {config.policy} cannot run beside {child.get('kv_connector')}: {why}"
+            )
+    if not others:
+        return KVTransferConfig(**own)
+    extra = {**base.kv_connector_extra_config, "connectors": [own, *others]}
+    return KVTransferConfig(
+        kv_connector=MULTI_CONNECTOR,
+        kv_role=base.kv_role or "kv_both",
+        engine_id=base.engine_id,
+        kv_connector_extra_config=extra,
+    )

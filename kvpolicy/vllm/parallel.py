@@ -1,0 +1,60 @@
+"""What kvpolicy can serve under vLLM's pipeline parallelism, judged before the model loads.
+
+A pipeline stage holds only its own layers' KV cache, and each worker
+compresses what it holds: a policy whose choice in one layer depends on
+nothing outside that layer (SnapKV, Ada-KV, KeyDiff, H2O, ...) runs stage by
+stage as on one engine. Policies that carry something from one layer to the
+next, or size a layer by its depth in the whole model, would need it to cross
+stages with the hidden states, which vLLM sends alone: refused.
+
+vLLM keeps one batch in flight per stage (``EngineCore.step_with_batch_queue``)
+and schedules the next before it reads a step's report, as its asynchronous
+scheduler does: with prefix caching, a request admitted then may hit blocks
+that step relocated into, whose hashes leave the cache only with the report
+(connector.py). Prefix caching is therefore off under pipeline parallelism
+unless asked for, and refused when asked for.
+"""
+
+from __future__ import annotations
+
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.policies import POLICIES, Mode, PyramidKV
+
+#: mode -> why it cannot run under pipeline parallelism
+CROSSES_STAGES = {
+    Mode.SELECT: (
+        "its filter layers choose the pages the later layers read, and under pipeline parallelism the later "
+        "layers run on another stage, which the selection does not reach"
+    ),
+    Mode.SHARE: (
+        "its layer groups read one layer's attention scores in other layers, and a stage holds only its own layers' KV"
+    ),
+}
+
+
+def check_pipeline(config: KVPolicyConfig, pipeline_parallel_size: int) -> None:
+    """Refuse a policy that needs what another stage holds."""
+    if pipeline_parallel_size <= 1:
+        return
+    flag = f"--pipeline-parallel-size {pipeline_parallel_size}"
+    why = CROSSES_STAGES.get(POLICIES[config.policy].mode)
+    if why is not None:
+        raise KVPolicyConfigError(f"--kv-policy {config.policy} cannot run with {flag}: {why}; drop one of them")
+    if isinstance(config.make_policy(), PyramidKV):
+        raise KVPolicyConfigError(
+            f"--kv-policy {config.policy} cannot run with {flag}: it sizes each layer's budget by the layer's "
+            "depth in the whole model, and a stage sees only its own layers; use adasnap or snapkv"
+        )
+
+
+def prepare_pipeline(engine_args, config: KVPolicyConfig) -> None:
+    """Prefix caching off under pipeline parallelism for policies that rewrite blocks (see above)."""
+    if engine_args.pipeline_parallel_size <= 1 or not config.rewrites_blocks:
+        return
+    if engine_args.enable_prefix_caching:
+        raise KVPolicyConfigError(
+            f"--kv-policy {config.policy} with prefix caching cannot run with --pipeline-parallel-size "
+            f"{engine_args.pipeline_parallel_size}: vLLM schedules a stage's next batch before it reads the "
+            "step that relocated blocks, which may still be in the prefix cache; drop --enable-prefix-caching"
+        )
+    engine_args.enable_prefix_caching = False

@@ -1,0 +1,41 @@
+"""Pipeline parallelism: policies that need what another stage holds are refused at startup, and prefix
+caching is off for policies that rewrite blocks (kvpolicy/vllm/parallel.py)."""
+
+import pytest
+
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.vllm.internals import EngineArgs
+from kvpolicy.vllm.parallel import check_pipeline, prepare_pipeline
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ("omnikv", "filter layers choose the pages the later layers read"),
+        ("pod", "layer groups read one layer's attention scores"),
+        ("pyramid", "depth in the whole model"),
+        ("adapyramid", "depth in the whole model"),
+    ],
+)
+def test_a_policy_that_crosses_stages_is_refused_with_why(policy, message):
+    budget = None if policy == "pod" else 128
+    with pytest.raises(KVPolicyConfigError, match=message):
+        check_pipeline(KVPolicyConfig(policy=policy, budget=budget), 2)
+    check_pipeline(KVPolicyConfig(policy=policy, budget=budget), 1)
+
+
+@pytest.mark.parametrize("policy", ["adasnap", "snapkv", "keydiff", "h2o", "streaming"])
+def test_a_policy_that_stays_in_its_layer_runs_stage_by_stage(policy):
+    check_pipeline(KVPolicyConfig(policy=policy, budget=128), 2)
+
+
+def test_prefix_caching_is_off_under_pipeline_parallelism_unless_asked_for_which_is_refused():
+    adasnap = KVPolicyConfig(policy="adasnap", budget=128)
+    unset = EngineArgs(model="m", pipeline_parallel_size=2)
+    prepare_pipeline(unset, adasnap)
+    assert unset.enable_prefix_caching is False
+    with pytest.raises(KVPolicyConfigError, match="drop --enable-prefix-caching"):
+        prepare_pipeline(EngineArgs(model="m", pipeline_parallel_size=2, enable_prefix_caching=True), adasnap)
+    one_stage = EngineArgs(model="m", enable_prefix_caching=True)
+    prepare_pipeline(one_stage, adasnap)
+    assert one_stage.enable_prefix_caching is True
