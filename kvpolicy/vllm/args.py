@@ -398,6 +398,9 @@ def patch_engine_args() -> None:
     def from_cli_args(cls, args: argparse.Namespace):
         engine_args = original_from_cli(cls, args)
         _store(engine_args, config_from_options(vars(args)))
+        # vLLM's extra API servers (--api-server-count, data parallelism) parse this namespace again
+        # before they load plugins: ``additional_config`` is a field they keep.
+        args.additional_config = engine_args.additional_config
         return engine_args
 
     original_create = EngineArgs.create_engine_config

@@ -120,3 +120,22 @@ def test_missing_csrc_ops_say_how_to_build_them():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "make install" in out.stderr and "pip install --no-build-isolation ./csrc" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_parsed_namespace_carries_the_policy_to_api_servers_that_parse_it_before_loading_plugins():
+    """vLLM's extra API servers (``--api-server-count``, data parallelism) rebuild their engine args from
+    the namespace the first process parsed, before any plugin is loaded: only vLLM's own fields survive."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvpolicy.config import KVPolicyConfig
+    from kvpolicy.vllm.args import patch_engine_args
+    from kvpolicy.vllm.internals import AsyncEngineArgs
+
+    patch_engine_args()
+    namespace = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--kv-policy", "adasnap", "--kv-budget", "64"]
+    )
+    AsyncEngineArgs.from_cli_args(namespace)
+    kept = {k: v for k, v in vars(namespace).items() if not k.startswith("kv_") or k == "kv_transfer_config"}
+    stored = kept["additional_config"][KVPolicyConfig.ADDITIONAL_CONFIG_KEY]
+    assert (stored["policy"], stored["budget"]) == ("adasnap", 64)
