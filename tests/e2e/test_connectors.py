@@ -39,7 +39,8 @@ def test_a_saving_and_loading_connector_beside_a_policy_that_leaves_blocks_alone
     assert any((tmp_path / "kv").iterdir()), "the connector saved nothing"
     # Without vLLM's own prefix cache, a second engine's hits come from the connector's files.
     loading = engine_run(*OMNIKV, *RUN, "--kv-transfer-config", beside)
-    assert [r["cached_tokens"] for r in loading["requests"]] == [0, 128, 256]
+    # It matches whole blocks of a prompt but its last token: 128-token blocks of the 300-token prompt only.
+    assert [r["cached_tokens"] for r in loading["requests"]] == [0, 0, 256]
     for run in (saving, loading):
         assert [r["token_ids"] for r in run["requests"]] == [r["token_ids"] for r in alone["requests"]]
         assert run["counters"]["selected_pages"] == alone["counters"]["selected_pages"] > 0
