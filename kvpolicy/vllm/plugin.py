@@ -8,7 +8,8 @@ _registered = False
 
 
 def register() -> None:
-    """Install the kv_* options, kvpolicy's connector by name, the KV sizing of bounded policies and the platform's kvpolicy backend. Idempotent."""
+    """Install the kv_* options, kvpolicy's connector by name, the KV sizing of bounded policies and the
+    platform's kvpolicy backend. Idempotent."""
     global _registered
     if _registered:
         return
