@@ -39,3 +39,15 @@ def test_prefix_caching_is_off_under_pipeline_parallelism_unless_asked_for_which
     one_stage = EngineArgs(model="m", enable_prefix_caching=True)
     prepare_pipeline(one_stage, adasnap)
     assert one_stage.enable_prefix_caching is True
+
+
+def test_a_stage_counts_its_layers_from_its_first(monkeypatch):
+    from kvpolicy.vllm.attention import layer_index
+    from kvpolicy.vllm.stage import STAGE
+
+    monkeypatch.setattr(STAGE, "first_layer", 15)
+    layer_index.cache_clear()
+    try:
+        assert layer_index("model.layers.17.self_attn.attn") == 2
+    finally:
+        layer_index.cache_clear()
