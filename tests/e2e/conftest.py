@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.server import vllm_server
+from tests.e2e.forked_runs import ForkedEngineRuns
 
 SERVED_NAME = "smollm2"
 SERVED_POLICY, SERVED_BUDGET = "adasnap", 256
@@ -41,9 +40,6 @@ def client(server):
     return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-ENGINE_RUNNER = Path(__file__).with_name("engine_run.py")
-
-
 @pytest.fixture(scope="session")
 def engine_run(model_path, tmp_path_factory):
     """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags.
@@ -52,6 +48,7 @@ def engine_run(model_path, tmp_path_factory):
     ``model``: another model folder than the default one.
     """
     out_dir = tmp_path_factory.mktemp("engine-runs")
+    runs = ForkedEngineRuns()
     done: dict[tuple, dict | str] = {}
 
     def run(*flags: str, fails: bool = False, model=None) -> dict | str:
@@ -59,17 +56,12 @@ def engine_run(model_path, tmp_path_factory):
         key = (model, *flags)
         if key not in done:
             out = out_dir / f"run{len(done)}.json"
-            proc = subprocess.run(
-                [sys.executable, str(ENGINE_RUNNER), "--model", model, "--out", str(out), *flags],
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
+            code, stderr = runs.run(["--model", model, "--out", str(out), *flags], out.with_suffix(""), timeout=900)
             if fails:
-                assert proc.returncode != 0, "the engine was expected to refuse these settings"
-                done[key] = proc.stderr
+                assert code != 0, "the engine was expected to refuse these settings"
+                done[key] = stderr
             else:
-                assert proc.returncode == 0, proc.stderr[-4000:]
+                assert code == 0, stderr[-4000:]
                 done[key] = json.loads(out.read_text())
         return done[key]
 

@@ -1,0 +1,82 @@
+"""Engine runs forked from one process that has imported vLLM already, instead of each from a fresh interpreter.
+
+Importing torch and vLLM is most of a small engine run: about 9 of the 12 s
+a tiny model's run takes on a 2-core machine. A ``forkserver`` imports them
+once, with the settings every ``engine_run.py`` run sets anyway; each run is
+a process forked from it that runs ``engine_run.main`` as the script does,
+with its own engine and plugin state. The server never imports kvpolicy, so
+kvpolicy's modules come from the tree under test in every run, and
+``--stock`` runs load no plugin, as in their own interpreter.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import sys
+from multiprocessing import forkserver
+from pathlib import Path
+
+#: Imported once by the server, in the order a run first imports them: the engine, its worker, the model.
+PRELOAD = (
+    "torch",
+    "transformers",
+    "vllm",
+    "vllm.entrypoints.llm",
+    "vllm.inputs",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.attention.backends.cpu_attn",
+    "vllm.model_executor.models.llama",
+)
+#: What ``engine_run.main`` sets in every run, set before the imports too (OpenMP reads its thread count at load).
+RUN_ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_ATTN_SPLIT_KV": "0"}
+
+
+def _run(argv: list[str], stdout: str, stderr: str) -> None:
+    """In the forked process: ``engine_run.py *argv`` with its output in two files, exiting as the script would."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    from tests.e2e import engine_run
+
+    sys.argv = [engine_run.__file__, *argv]
+    try:
+        code = engine_run.main()
+    finally:
+        atexit._run_exitfuncs()  # a forked process ends with os._exit; vLLM shuts its engine down at exit
+    sys.exit(code)
+
+
+class ForkedEngineRuns:
+    """Starts the forkserver (with ``RUN_ENV`` for it alone) and runs ``engine_run.py`` in processes forked from it."""
+
+    def __init__(self) -> None:
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(list(PRELOAD))
+        saved = {name: os.environ.get(name) for name in RUN_ENV}
+        os.environ.update(RUN_ENV)
+        try:
+            forkserver.ensure_running()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
+
+    def run(self, argv: list[str], log_stem: Path, timeout: float) -> tuple[int, str]:
+        """``engine_run.py *argv``: its exit code and its stderr (its stdout and stderr stay in ``log_stem.*``)."""
+        stdout, stderr = log_stem.with_suffix(".stdout"), log_stem.with_suffix(".stderr")
+        process = self.context.Process(target=_run, args=(argv, str(stdout), str(stderr)))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise TimeoutError(f"engine_run.py {' '.join(argv)} ran over {timeout} s")
+        return process.exitcode, stderr.read_text()
