@@ -19,7 +19,8 @@ import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
-#: Imported once by the server, in the order a run first imports them: the engine, its worker, the model.
+#: Imported once by the server, in the order a run first imports them. None is CPU-only (the CPU model runner extends
+#: the GPU one): on CUDA the runs must fork before CUDA starts, as vLLM requires (not yet run on a GPU).
 PRELOAD = (
     "torch",
     "transformers",
@@ -28,9 +29,7 @@ PRELOAD = (
     "vllm.inputs",
     "vllm.v1.engine.llm_engine",
     "vllm.v1.engine.core",
-    "vllm.v1.worker.cpu_worker",
-    "vllm.v1.worker.cpu_model_runner",
-    "vllm.v1.attention.backends.cpu_attn",
+    "vllm.v1.worker.gpu_model_runner",
     "vllm.model_executor.models.llama",
 )
 #: What ``engine_run.main`` sets in every run, set before the imports too (OpenMP reads its thread count at load).
