@@ -42,7 +42,8 @@ def client(server):
 
 @pytest.fixture(scope="session")
 def engine_run(model_path, tmp_path_factory):
-    """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags.
+    """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags, in a process forked
+    from one that has imported vLLM (``forked_runs.py``).
 
     With ``fails=True`` the engine must not start; the result is its stderr.
     ``model``: another model folder than the default one.
