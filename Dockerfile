@@ -11,13 +11,13 @@ ARG BASE=python:3.11-slim
 FROM ${BASE} AS system
 ENV KVPOLICY_CACHE=/opt/kvpolicy-cache
 RUN apt-get update && apt-get install -y --no-install-recommends g++ libnuma1 \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get clean && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/kvpolicy
 
 FROM system AS deps
 ENV PIP_CONFIG_FILE=/etc/kvpolicy-pip.conf PIP_NO_CACHE_DIR=1
 RUN apt-get update && apt-get install -y --no-install-recommends make \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get clean && rm -rf /var/lib/apt/lists/*
 COPY docker/build-extras/ /opt/build-extras/
 RUN extras=/opt/build-extras; { \
       echo "[global]"; \

@@ -14,7 +14,7 @@ docker/engine.sh
 
 BASE=python:3.11-slim
 if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! timeout 60 docker pull "$BASE"; then
-  BASE=kvpolicy/python:3.11-bookworm
+  BASE=kvpolicy/python:3.11-bookworm-slim
   if ! docker image inspect "$BASE" >/dev/null 2>&1; then
     echo "python:3.11-slim cannot be pulled: building $BASE from Debian's packages" >&2
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
@@ -22,6 +22,14 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! timeout 60 docker pull "$
     root=$(mktemp -d)
     $SUDO debootstrap --variant=minbase --include=python3,python3-dev,python3-venv,python3-pip,ca-certificates \
       bookworm "$root" http://deb.debian.org/debian
+    # Slim as Debian's own images: no downloaded packages or package lists (the Dockerfile runs
+    # apt-get update), and dpkg leaves out documentation (but its licenses), manuals and translations.
+    $SUDO chroot "$root" apt-get clean
+    $SUDO rm -rf "$root"/var/lib/apt/lists/* "$root"/usr/share/man/* "$root"/usr/share/locale/* "$root"/usr/share/info/*
+    $SUDO find "$root"/usr/share/doc -type f ! -name copyright -delete
+    printf '%s\n' 'path-exclude /usr/share/doc/*' 'path-include /usr/share/doc/*/copyright' \
+      'path-exclude /usr/share/man/*' 'path-exclude /usr/share/locale/*' 'path-exclude /usr/share/info/*' |
+      $SUDO tee "$root"/etc/dpkg/dpkg.cfg.d/slim >/dev/null
     $SUDO tar -C "$root" -c . | docker import -c 'ENV LANG=C.UTF-8' - "$BASE"
     $SUDO rm -rf "$root"
   fi
