@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the `kvpolicy` image (`make image`) on a loopback port and have it answer a chat completion
-# through the OpenAI API, then show its kvpolicy metrics and stop it (`make image-check`).
+# through the OpenAI API, then show its kvpolicy metrics and C++ ops and stop it (`make image-check`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 docker/engine.sh
@@ -25,4 +25,6 @@ reply=$(curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: 
 echo "$reply"
 curl -sf "http://127.0.0.1:$PORT/metrics" | grep -E '^vllm:kvpolicy_(num_requests_compressed|relocated_requests_total)' || true
 echo "$reply" | grep -q Paris || { echo "the container did not answer Paris" >&2; exit 1; }
+# The server imported them at start (kvpolicy's CPU ops need them); this names the build it loaded.
+docker exec "$name" python -c 'import kvpolicy_csrc._C as c; print("kvpolicy C++ ops:", c.__file__)'
 echo "image check passed: the container answered through the OpenAI API"
