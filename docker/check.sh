@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the `kvpolicy` image (`make image`) on a loopback port and have it answer a chat completion
-# through the OpenAI API, then show its kvpolicy metrics and C++ ops and stop it (`make image-check`).
+# through the OpenAI API, compress a prompt longer than its budget, show kvpolicy's counters and the
+# C++ ops it loaded, and stop it (`make image-check`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 docker/engine.sh
@@ -19,12 +20,21 @@ for _ in $(seq 600); do
   fi
   sleep 1
 done
-reply=$(curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
-  -d '{"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 20,
-       "messages": [{"role": "user", "content": "What is the capital of France?"}]}')
+ask() {
+  curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"SmolLM2-135M-Instruct\", \"temperature\": 0, \"max_tokens\": 20,
+         \"messages\": [{\"role\": \"user\", \"content\": \"$1\"}]}"
+}
+reply=$(ask "What is the capital of France?")
 echo "$reply"
-curl -sf "http://127.0.0.1:$PORT/metrics" | grep -E '^vllm:kvpolicy_(num_requests_compressed|relocated_requests_total)' || true
 echo "$reply" | grep -q Paris || { echo "the container did not answer Paris" >&2; exit 1; }
-# The server imported them at start (kvpolicy's CPU ops need them); this names the build it loaded.
+# A prompt longer than the budget (256 tokens), so the policy compresses it with kvpolicy's C++ ops.
+ask "$(printf 'The sky is blue and the grass is green. %.0s' $(seq 60))What colour is the grass?" \
+  | grep -o '"content":"[^"]*"'
+counters=$(curl -sf "http://127.0.0.1:$PORT/metrics" \
+  | grep -E '^vllm:kvpolicy_(relocated_requests|compressed_requests|released_blocks)_total')
+echo "$counters"
+echo "$counters" | grep -q '^vllm:kvpolicy_compressed_requests_total.* [1-9]' \
+  || { echo "the container compressed no request" >&2; exit 1; }
 docker exec "$name" python -c 'import kvpolicy_csrc._C as c; print("kvpolicy C++ ops:", c.__file__)'
-echo "image check passed: the container answered through the OpenAI API"
+echo "image check passed: the container answered through the OpenAI API and compressed a long prompt"
