@@ -53,8 +53,8 @@ import kvpolicy.vllm.ops.triton as triton_ops  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from kvpolicy.config import KVPolicyConfig  # noqa: E402
 from kvpolicy.paging import RequestPages  # noqa: E402
+from kvpolicy.vllm.modes.relocate_path import PerHeadPath  # noqa: E402
 from kvpolicy.vllm.ops import staging  # noqa: E402
-from kvpolicy.vllm.per_head import PerHeadPath  # noqa: E402
 from kvpolicy.vllm.state import WORKER_STATE  # noqa: E402
 from kvpolicy.vllm.step_builder import StepBuilder  # noqa: E402
 
@@ -198,7 +198,7 @@ class SyntheticEngine:
             pages = RequestPages(layers, heads, block, table[: -(-CONTEXT // block)])
             for layer, counts in enumerate(uneven_head_lengths(self.rng, layers, heads, BUDGET)):
                 pages.relocate(layer, [torch.arange(int(n)) for n in counts])
-            WORKER_STATE.requests[req_id] = pages
+            WORKER_STATE.mode.track(req_id).pages = pages
 
     def metadata(self, rows: list[tuple[str, int]]) -> SimpleNamespace:
         """vLLM's metadata of a step whose rows are (request, new tokens); advances each request by them."""
@@ -242,7 +242,7 @@ class SyntheticEngine:
                 self.path.attend(layer, layer_idx, query, out, cache, step)
             self.path.after_attention(layer, layer_idx, query, cache, step)
         done = time.perf_counter()
-        WORKER_STATE.relocated_this_step.clear()
+        WORKER_STATE.releases.clear()
         return built - start, done - built
 
 

@@ -2,9 +2,10 @@
 
 ``KVPolicyAttention`` is mixed in before the platform's impl class, so
 ``super()`` is vLLM's own attention (stock rows, steps with no kvpolicy work).
-A step (``step.py``) arrives on the metadata as ``step``; its relocating
-part runs on the per-head path, its selecting part on the selection path,
-its score-sharing part (PoD) on the sharing path, all over the impl's ``KVOps``.
+A step (``step.py``) arrives on the metadata as ``step``; each mode's step runs
+on its path (``modes/``): a relocating step on the per-head path, a selecting
+one on the selection path, a score-sharing one (PoD) on the sharing path, all
+over the impl's ``KVOps``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import functools
 
 from kvpolicy.vllm.internals import extract_layer_index, get_forward_context
+from kvpolicy.vllm.modes.relocate_path import PerHeadPath
+from kvpolicy.vllm.modes.select import SelectionPath
+from kvpolicy.vllm.modes.share import SharingPath
 from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.per_head import PerHeadPath
-from kvpolicy.vllm.selection import SelectionPath
-from kvpolicy.vllm.sharing import SharingPath
 from kvpolicy.vllm.stage import STAGE
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import RelocatingStep, SelectingStep, SharingStep, Step

@@ -178,14 +178,16 @@ class KVPolicyConnector(KVConnectorBase_V1):
         """After the step's forward: every layer is relocated, so tail blocks can go."""
         keep_blocks, seen = {}, {}
         counters = WORKER_STATE.counters
-        for req_id, (prompt_done, length) in WORKER_STATE.relocated_this_step.items():
-            pages = WORKER_STATE.requests.get(req_id)
-            if pages is None:
-                continue
-            keep = keep_blocks[req_id] = pages.blocks_to_keep(length)
+        for req_id, release in WORKER_STATE.releases.items():
+            pages = release.pages
+            keep = keep_blocks[req_id] = (
+                release.keep if release.keep is not None else pages.blocks_to_keep(release.length)
+            )
             seen[req_id] = len(pages.blocks)
             _release(pages, keep, counters)
-            if not prompt_done:
+            if release.keep is not None:
+                continue  # an offload: its sparse layers went to the host pool
+            if not release.prompt_done:
                 counters["eviction_passes"] += 1
                 continue
             counters["relocated_requests"] += 1
@@ -196,15 +198,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
             counters["compressed_requests"] += pages.kept_tokens() < prompt_tokens
             counters["held_kv_pages"] += len(keep) * pages.num_layers * pages.num_heads
             counters["ideal_kv_pages"] += pages.kept_tokens() / pages.block_size
-        WORKER_STATE.relocated_this_step.clear()
-        for req_id, keep in WORKER_STATE.offloaded_this_step.items():
-            request = WORKER_STATE.offloaded.get(req_id)
-            if request is None:
-                continue
-            keep_blocks[req_id] = keep
-            seen[req_id] = len(request.blocks)
-            _release(request, keep, counters)
-        WORKER_STATE.offloaded_this_step.clear()
+        WORKER_STATE.releases.clear()
         return BlockReleases(keep_blocks, seen) if keep_blocks else None
 
     def get_kv_connector_stats(self) -> KVPolicyStats | None:

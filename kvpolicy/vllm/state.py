@@ -1,30 +1,24 @@
-"""What one worker process knows about kvpolicy requests, shared by its backend, worker hook and connector."""
+"""What one worker process knows, whatever mode its policy runs in: shared by its backend, worker hook and connector.
+
+The state of each request lives in the active mode (``kvpolicy/vllm/modes/``):
+``WorkerState.mode`` is that one object, made by ``configure``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.paging import HostPagePool, OffloadedRequest, RequestPages, SharedPages, write_order
-from kvpolicy.policies import HeadGroup, Mode, Policy
+from kvpolicy.paging import OffloadedRequest, RequestPages, SharedPages, write_order
+from kvpolicy.policies import HeadGroup, Policy
 
-
-@dataclass
-class CarriedState:
-    """What a policy that evicts in decode carries per layer between a request's compressions."""
-
-    budgets: list[int]
-    scores: list[torch.Tensor | None]
-    thresholds: list[torch.Tensor | None]
-
-    @classmethod
-    def empty(cls, num_layers: int) -> CarriedState:
-        return cls([0] * num_layers, [None] * num_layers, [None] * num_layers)
+if TYPE_CHECKING:
+    from kvpolicy.vllm.modes.base import ModeState
 
 
 @dataclass(frozen=True)
@@ -56,33 +50,39 @@ class PageSpace:
         return cls(pages, bases)
 
 
+@dataclass(frozen=True)
+class BlockRelease:
+    """A request whose pages changed this step: after the forward, the connector hands vLLM back the
+    blocks it no longer holds.
+
+    ``keep``: the block-table positions it keeps, when the step's plan fixed them (an offload); else
+    ``pages.blocks_to_keep(length)`` once every layer has moved, with ``length`` its length after the
+    step when its prompt is read whole. ``prompt_done``: its prompt was relocated or laid out (else an
+    eviction pass, or an offload).
+    """
+
+    pages: RequestPages | SharedPages | OffloadedRequest
+    keep: set[int] | None = None
+    length: int | None = None
+    prompt_done: bool = False
+
+
 @dataclass
 class WorkerState:
-    """Per worker process: the policy, the model runner (to map batch rows to
-    request ids), the page tables of relocated requests, the observation-window
-    queries and running attention column sums of prompts still being read,
-    what each layer observed of a prompt for policies that budget across
-    layers, what policies that evict in decode carry, OmniKV's offloaded
-    requests and host pool, and counters for the metrics."""
+    """Per worker process: the configuration and policy, the model runner (to map batch rows to
+    request ids), tensor parallelism, the page space over vLLM's KV buffer, the scheduler's word on
+    shared blocks, the step's block releases, counters for the metrics, and the active mode."""
 
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
     runner: Any = None
-    requests: dict[str, RequestPages | SharedPages] = field(default_factory=dict)
-    window_queries: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
-    column_sums: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
-    observed: dict[str, dict[int, tuple[torch.Tensor, Any]]] = field(default_factory=dict)
-    carried: dict[str, CarriedState] = field(default_factory=dict)
-    #: req id -> (its prompt completed, its length after the step when its prompt is read whole, else None)
-    relocated_this_step: dict[str, tuple[bool, int | None]] = field(default_factory=dict)
+    #: The active mode's worker side and its requests; None while every row takes the stock path.
+    mode: ModeState | None = None
     #: This step's prompts with blocks other requests read or in the prefix cache: req id -> (shared, cached)
     #: block-table positions (``KVPolicyConnectorMetadata``).
     block_sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
-    #: Prompts left on the stock path: their own blocks could not hold what the policy keeps.
-    uncompressed: set[str] = field(default_factory=set)
-    offloaded: dict[str, OffloadedRequest] = field(default_factory=dict)
-    offloaded_this_step: dict[str, set[int]] = field(default_factory=dict)  # req id -> block-table positions it keeps
-    host: HostPagePool | None = None
+    #: This step's requests whose pages changed, for the connector (``BlockRelease``).
+    releases: dict[str, BlockRelease] = field(default_factory=dict)
     family: dict[str, Policy] = field(default_factory=dict)  # other policies of the family, by name
     ops: str | None = None  # the backend's KVOps class, for logs and tests
     tp_rank: int = 0
@@ -94,6 +94,8 @@ class WorkerState:
 
     def configure(self, config: KVPolicyConfig | None, runner: Any, tensor_parallel=None) -> None:
         """``tensor_parallel``: ``(rank, size, gather)`` of the worker's tensor-parallel group, if any."""
+        from kvpolicy.vllm.modes import mode_state  # the modes read this module's WORKER_STATE
+
         self.config = config
         rank, size, gather = tensor_parallel or (0, 1, None)
         self.tp_rank = rank
@@ -102,56 +104,20 @@ class WorkerState:
         self.policy = config.make_policy() if config is not None else None
         self.family.clear()
         self.runner = runner
-        self.requests.clear()
-        self.window_queries.clear()
-        self.column_sums.clear()
-        self.observed.clear()
-        self.carried.clear()
-        self.offloaded.clear()
-        self.host = None
+        self.releases.clear()
         self._page_space = None
-
-    @property
-    def mode(self) -> Mode:
-        """The mode this worker runs its policy in; STOCK until the runner is known."""
-        return Mode.STOCK if self.policy is None or self.runner is None else self.policy.mode
-
-    @property
-    def offloads(self) -> bool:
-        return self.mode is Mode.SELECT and self.config.offload is not None
+        stock = self.policy is None or runner is None
+        self.mode = None if stock else mode_state(self.policy.mode, self)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one vLLM block: its pages in every layer."""
         return sum(cache[0].nbytes for cache in self.runner.kv_caches)
 
-    @property
-    def pools_layers(self) -> bool:
-        """Whether a relocated request's layers share one pool of pages: vLLM's whole KV buffer as one
-        page space, the CPU layout (``--kv-page-pool``)."""
-        return self.config.page_pool != "layer" and self.runner.kv_caches[0].device.type == "cpu"
-
-    def relocated_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache relocated requests' page ids index: the whole buffer when their layers share a pool."""
-        return self.page_space().pages if self.pools_layers else kv_cache
-
     def page_space(self) -> PageSpace:
         if self._page_space is None:
             self._page_space = PageSpace.of(self.runner.kv_caches)
         return self._page_space
-
-    def host_pool(self) -> HostPagePool:
-        """The host tier, ``--kv-offload`` GiB of one-head pages, made at first use."""
-        if self.host is None:
-            pages = self.page_space().pages
-            page_bytes = pages[0].nbytes
-            self.host = HostPagePool(
-                int(self.config.offload * 2**30) // page_bytes,
-                pages[0].numel(),
-                pages.dtype,
-                pin=torch.cuda.is_available(),
-            )
-        return self.host
 
     def policy_named(self, name: str | None) -> Policy:
         """A request's policy: the server's, or another of its family (``kv_policy``, already validated)."""
@@ -161,73 +127,26 @@ class WorkerState:
             self.family[name] = dataclasses.replace(self.config, policy=name).make_policy()
         return self.family[name]
 
-    def stash_window(self, req_id: str, layer: int, queries: torch.Tensor) -> None:
-        """Keep a chunk's window queries [tokens, q_heads, head_dim] (a copy: the step's query buffer is
-        reused) where they are, on the cache's device: the policy scores them there."""
-        self.window_queries.setdefault(req_id, {}).setdefault(layer, []).append(queries)
-
-    def take_window(self, req_id: str, layer: int, last: torch.Tensor) -> torch.Tensor:
-        """All window queries of a prompt for one layer, [q_heads, window, head_dim], on their device."""
-        earlier = self.window_queries.get(req_id, {}).pop(layer, [])
-        return torch.cat([*earlier, last]).transpose(0, 1)
-
-    def add_column_sums(self, req_id: str, layer: int, sums: torch.Tensor) -> None:
-        """Add a summed chunk's column sums [q_heads, keys so far] to the prompt's running ones of a layer."""
-        layers = self.column_sums.setdefault(req_id, {})
-        earlier = layers.get(layer)
-        if earlier is not None:
-            sums[:, : earlier.shape[1]] += earlier  # this chunk saw every earlier key, and its own
-        layers[layer] = sums
-
-    def take_column_sums(self, req_id: str, layer: int, length: int) -> torch.Tensor | None:
-        """A layer's running column sums of the prompt, zero-padded to ``length`` keys; None if no chunk was summed."""
-        layers = self.column_sums.get(req_id, {})
-        sums = layers.pop(layer, None)
-        if not layers:
-            self.column_sums.pop(req_id, None)
-        if sums is None:
-            return None
-        return torch.nn.functional.pad(sums, (0, length - sums.shape[1]))
-
-    def observe(self, req_id: str, layer: int, kv_cache: torch.Tensor, observation: Any) -> dict:
-        """Record a layer's cache and observation of a prompt; all layers so far, emptied once the last arrives."""
-        observed = self.observed.setdefault(req_id, {})
-        observed[layer] = (kv_cache, observation)
-        if len(observed) == self.requests[req_id].num_layers:
-            del self.observed[req_id]
-        return observed
-
     def writable_blocks(self, req_id: str, num_blocks: int) -> tuple[list[int], bool]:
         """The block-table positions a request may write this step, in the order to fill them
         (``write_order`` over ``block_sharing``), and whether other requests read some of its blocks."""
         shared, cached = self.block_sharing.get(req_id, ((), ()))
         return write_order(num_blocks, shared, cached), bool(shared)
 
-    def leave_uncompressed(self, req_id: str) -> None:
-        """A prompt whose own blocks cannot hold what its policy keeps stays on the stock path."""
-        self.uncompressed.add(req_id)
-        self.counters["shared_prefix_uncompressed"] += 1
-
     def forget(self, req_ids) -> None:
-        for req_id in req_ids or ():
-            self.requests.pop(req_id, None)
-            self.window_queries.pop(req_id, None)
-            self.column_sums.pop(req_id, None)
-            self.observed.pop(req_id, None)
-            self.carried.pop(req_id, None)
-            self.uncompressed.discard(req_id)
-            offloaded = self.offloaded.pop(req_id, None)
-            if offloaded is not None:
-                self.host.release(offloaded.host_page_ids(), offloaded.host_reserved)
+        """Finished or preempted requests: the active mode drops their state."""
+        if self.mode is not None:
+            for req_id in req_ids or ():
+                self.mode.forget(req_id)
 
     def memory_now(self) -> dict[str, int]:
         """The memory compression saves right now (``metrics.GAUGES``): requests holding fewer blocks
         than their tokens in the cache would fill uncompressed, their blocks and bytes."""
         requests = blocks = full_blocks = 0
-        for req_id, request in (*self.requests.items(), *self.offloaded.items()):
+        for req_id, pages in self.mode.held_pages() if self.mode is not None else ():
             state = self.runner.requests.get(req_id)
-            held = request.live_blocks()
-            full = 0 if state is None else -(-state.num_computed_tokens // request.block_size)
+            held = pages.live_blocks()
+            full = 0 if state is None else -(-state.num_computed_tokens // pages.block_size)
             if held < full:
                 requests += 1
                 blocks += held

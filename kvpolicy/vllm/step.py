@@ -1,9 +1,8 @@
 """What one step asks of the attention layers, built once per step by platform-free code.
 
-The builder (``step_builder.py``) turns vLLM's batch into these records; the
-per-head path (``per_head.py``) and the context-selection path
-(``selection.py``) read them in every layer through the ops interface
-(``ops/``). No field depends on the platform except ``AttentionBatch.plan``,
+Each mode's builder (``modes/``) turns vLLM's batch into these records; its
+path (the per-head, context-selection or score-sharing path) reads them in
+every layer through the ops interface (``ops/``). No field depends on the platform except ``AttentionBatch.plan``,
 which the ops that will run the call prepared for it.
 """
 
@@ -103,7 +102,7 @@ class Relocation:
 class SummedChunk:
     """A prompt chunk of a request whose policy scores every prompt query's attention (H2O, D2O),
     attended by kvpolicy's ops instead of the platform's: one QK^T gives both the chunk's output
-    and the column sums its queries add to the request's running sums (``WorkerState.add_column_sums``).
+    and the column sums its queries add to the request's running sums (``Relocate.add_column_sums``).
 
     ``token_idx``: the chunk's query tokens in the batch (all prompt tokens, the prompt's last
     positions so far); ``slots`` [kv_heads, seq_len]: one-head slots of every key so far, in

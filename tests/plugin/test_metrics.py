@@ -6,6 +6,7 @@ import torch
 
 from kvpolicy.paging import RequestPages
 from kvpolicy.vllm.metrics import COUNTERS, GAUGES, PEAKS, KVPolicyStats
+from kvpolicy.vllm.modes import Relocate
 from kvpolicy.vllm.state import WorkerState
 
 BLOCK_SIZE, LAYERS = 16, 2
@@ -19,10 +20,11 @@ def worker_with(computed_tokens: dict[str, int], kept_blocks: dict[str, int]) ->
         kv_caches=[cache] * LAYERS,
         requests={req: SimpleNamespace(num_computed_tokens=n) for req, n in computed_tokens.items()},
     )
+    state.mode = Relocate(state)
     for req, n in computed_tokens.items():
         pages = RequestPages(LAYERS, 1, BLOCK_SIZE, list(range(-(-n // BLOCK_SIZE))))
         pages.release_except(set(range(kept_blocks[req])))
-        state.requests[req] = pages
+        state.mode.track(req).pages = pages
     return state
 
 

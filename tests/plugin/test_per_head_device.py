@@ -19,8 +19,8 @@ import torch
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import RequestPages
+from kvpolicy.vllm.modes.relocate_path import PerHeadPath
 from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.per_head import PerHeadPath
 from kvpolicy.vllm.state import WORKER_STATE
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, Relocation
 
@@ -90,7 +90,7 @@ def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker,
         SimpleNamespace(kv_caches=[kv_cache] * LAYERS, requests={}),
     )
     pages = RequestPages(LAYERS, H, BS, list(range(-(-PROMPT // BS))))
-    worker.requests[REQ] = pages
+    worker.mode.track(REQ).pages = pages
     ops = MetaOps()
     path = PerHeadPath(ops)
     query = torch.empty(PROMPT, H * G, D, device=DEVICE)
@@ -109,7 +109,7 @@ def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker,
         for layer in range(LAYERS):
             path.after_attention(None, layer, query[:0], kv_cache, evict)
         assert (pages.lengths == BUDGET).all()
-        for scores in worker.carried[REQ].scores:
+        for scores in worker.mode.requests[REQ].carried.scores:
             assert scores is None if not worker.policy.accumulates_attention else scores.device == DEVICE
             assert scores is None or scores.shape == (H, BUDGET)
 

@@ -1,0 +1,205 @@
+"""What every mode's worker side shares: the batch it reads, the rows it may change, the calls of the
+rows the platform attends as usual, and the one place a request's state is created and dropped."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
+from kvpolicy.paging import RequestPages
+from kvpolicy.paging.block_pages import BlockPages
+from kvpolicy.policies import Policy
+from kvpolicy.vllm.internals import host_batch_tensors
+from kvpolicy.vllm.state import WorkerState
+from kvpolicy.vllm.step import AttentionBatch, Planner, Step
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """The parts of vLLM's batch a step is built from, read from the runner's host copies (no device sync)."""
+
+    num_reqs: int
+    req_ids: list[str]
+    query_start_loc: np.ndarray
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+    @classmethod
+    def of(cls, cam, runner) -> HostBatch:
+        num_reqs = cam.num_reqs
+        seq_lens, block_table = host_batch_tensors(cam, runner)
+        return cls(
+            num_reqs,
+            runner.input_batch.req_ids[:num_reqs],
+            cam.query_start_loc_cpu[: num_reqs + 1].numpy(),
+            seq_lens,
+            block_table,
+        )
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the batch: a request and this step's tokens of it."""
+
+    index: int
+    req_id: str
+    request: Any  # the runner's state of the request
+    first_token: int  # its first query token in the batch
+    query_len: int
+    seq_len: int  # tokens in the cache after this step
+
+    @property
+    def start(self) -> int:
+        """Tokens in the cache before this step."""
+        return self.seq_len - self.query_len
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def extra(self) -> dict:
+        return self.request.sampling_params.extra_args or {}
+
+    @property
+    def policy_name(self) -> str | None:
+        """The request's ``kv_policy``, if it asked for one."""
+        return self.extra.get(REQUEST_POLICY_KEY)
+
+    @property
+    def budget_arg(self) -> int | None:
+        """The request's ``kv_budget``, if it asked for one."""
+        return self.extra.get(REQUEST_BUDGET_KEY)
+
+    @property
+    def idle(self) -> bool:
+        return self.query_len == 0
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The model and cache a step is built for, and the ops' planner of its calls."""
+
+    num_layers: int
+    num_kv_heads: int
+    queries_per_kv: int
+    block_size: int
+    max_model_len: int
+    plan: Planner
+    sums_prompts: bool = False  # the ops attend H2O/D2O prompt chunks themselves (``KVOps.prompt_attention``)
+
+    def num_blocks(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def rows_plan(self, query_start_loc, seq_lens, block_table):
+        return self.plan(query_start_loc, seq_lens, block_table, self.num_kv_heads, self.queries_per_kv)
+
+    def heads_plan(self, query_start_loc, seq_lens, block_table):
+        return self.plan(query_start_loc, seq_lens, block_table, 1, self.queries_per_kv)
+
+    def stock_batch(self, batch: HostBatch, away=()) -> AttentionBatch:
+        """The call of every row of the batch but those in ``away``, in vLLM's layout."""
+        rows = sorted(set(range(batch.num_reqs)) - set(away))
+        qsl = batch.query_start_loc
+        query_lens = [int(qsl[row + 1] - qsl[row]) for row in rows]
+        token_idx = torch.cat(
+            [torch.arange(int(qsl[row]), int(qsl[row + 1])) for row in rows] or [torch.zeros(0, dtype=torch.int64)]
+        )
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        row_idx = torch.tensor(rows, dtype=torch.int64)
+        seq_lens = batch.seq_lens[row_idx]
+        table = batch.block_table[row_idx]
+        return AttentionBatch(
+            token_idx,
+            query_start_loc,
+            seq_lens,
+            table,
+            self.num_kv_heads,
+            self.rows_plan(query_start_loc, seq_lens, table),
+        )
+
+
+R = TypeVar("R")
+
+
+class ModeState(ABC, Generic[R]):
+    """One mode's worker side: the state of each of its requests (``R``), made and dropped here only,
+    and the builder that turns a batch into its step."""
+
+    def __init__(self, worker: WorkerState):
+        self.worker = worker
+        self.requests: dict[str, R] = {}
+
+    @property
+    def policy(self) -> Policy:
+        """The server's policy (read at each use: tests may wrap it)."""
+        return self.worker.policy
+
+    def new_request(self) -> R:
+        """The state of a request the mode starts to follow at its first use (``track``)."""
+        raise NotImplementedError(f"{type(self).__name__} makes each request's state whole, in one place")
+
+    def track(self, req_id: str) -> R:
+        """A request's state, made at its first use."""
+        request = self.requests.get(req_id)
+        if request is None:
+            request = self.requests[req_id] = self.new_request()
+        return request
+
+    def leave_uncompressed(self, req_id: str) -> None:
+        """A prompt whose own blocks cannot hold what its policy keeps stays on the stock path."""
+        self.track(req_id).uncompressed = True
+        self.worker.counters["shared_prefix_uncompressed"] += 1
+
+    def forget(self, req_id: str) -> None:
+        """Drop a finished, preempted or restarted request's state."""
+        request = self.requests.pop(req_id, None)
+        self.worker.releases.pop(req_id, None)
+        if request is not None:
+            self.dropped(request)
+
+    def dropped(self, request: R) -> None:
+        """What a dropped request's state held outside vLLM's blocks goes back (the host pool)."""
+
+    @abstractmethod
+    def pages_of(self, request: R) -> BlockPages | RequestPages | None:
+        """The pages a request holds in place of vLLM's blocks, if any."""
+
+    def held_pages(self) -> Iterator[tuple[str, BlockPages | RequestPages]]:
+        """Requests holding their own pages (the memory gauges)."""
+        for req_id, request in self.requests.items():
+            pages = self.pages_of(request)
+            if pages is not None:
+                yield req_id, pages
+
+    def rows(self, batch: HostBatch) -> Iterator[Row]:
+        """The batch's rows the mode may change. A request read again from its first token was preempted
+        and is recomputed from scratch: its state is dropped and its compression redone. A request that
+        asked for ``kv_policy: none`` stays on the stock path."""
+        qsl, seq_lens = batch.query_start_loc, batch.seq_lens.numpy()
+        runner_requests = self.worker.runner.requests
+        for index, req_id in enumerate(batch.req_ids):
+            first_token = int(qsl[index])
+            row = Row(
+                index,
+                req_id,
+                runner_requests[req_id],
+                first_token,
+                int(qsl[index + 1]) - first_token,
+                int(seq_lens[index]),
+            )
+            if row.start == 0 and req_id in self.requests:
+                self.forget(req_id)
+            if row.policy_name != "none":
+                yield row
+
+    @abstractmethod
+    def build(self, batch: HostBatch, shape: StepShape) -> Step | None:
+        """The step of a batch; None when every row takes the stock path."""

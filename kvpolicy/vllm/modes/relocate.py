@@ -1,0 +1,311 @@
+"""Relocate: a policy that keeps some tokens per KV head (the SnapKV family, streaming, keydiff, h2o, d2o,
+identity) moves a request's prompt into per-head pages, and its rows then attend per head.
+
+``RelocatedRequest`` is what the mode follows of one request; ``Relocate`` builds each step from vLLM's
+batch (which rows go per head, which prompts relocate, which chunks stash window queries); the path that
+runs the step in every layer is ``relocate_path.PerHeadPath``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpolicy.paging import RequestPages, stock_slots
+from kvpolicy.policies import Policy
+from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
+from kvpolicy.vllm.state import BlockRelease
+from kvpolicy.vllm.step import (
+    AttentionBatch,
+    HeadRows,
+    PerHeadBatch,
+    RelocatingStep,
+    Relocation,
+    SummedChunk,
+    WindowStash,
+)
+
+
+@dataclass
+class CarriedState:
+    """What a policy that evicts in decode carries per layer between a request's compressions."""
+
+    budgets: list[int]
+    scores: list[torch.Tensor | None]
+    thresholds: list[torch.Tensor | None]
+
+    @classmethod
+    def empty(cls, num_layers: int) -> CarriedState:
+        return cls([0] * num_layers, [None] * num_layers, [None] * num_layers)
+
+
+@dataclass
+class RelocatedRequest:
+    """One request of a relocating policy, from its first prompt chunk on.
+
+    While its prompt is read: the observation-window queries of earlier chunks (``window_queries``,
+    layer -> chunks) and, for policies that accumulate attention, the running column sums of summed
+    chunks (``column_sums``, layer -> [q_heads, keys so far]). At relocation, for policies that budget
+    across layers, what each layer observed until the last one arrives (``observed``). Once relocated:
+    its per-head ``pages``, and what an evicting policy carries to its next pass (``carried``).
+    ``uncompressed``: its own blocks could not hold what the policy keeps; it stays on the stock path.
+    """
+
+    pages: RequestPages | None = None
+    window_queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    column_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    observed: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
+    carried: CarriedState | None = None
+    uncompressed: bool = False
+
+
+@dataclass(frozen=True)
+class PerHeadRow:
+    """A relocated request's row: it attends per head."""
+
+    row: Row
+    pages: RequestPages
+
+
+@dataclass
+class _Draft:
+    """A relocating step as the builder collects it, row by row."""
+
+    step: RelocatingStep = field(default_factory=RelocatingStep)
+    per_head: list[PerHeadRow] = field(default_factory=list)
+    summed_rows: list[int] = field(default_factory=list)
+
+
+class Relocate(ModeState[RelocatedRequest]):
+    def new_request(self) -> RelocatedRequest:
+        return RelocatedRequest()
+
+    def pages_of(self, request: RelocatedRequest) -> RequestPages | None:
+        return request.pages
+
+    # What the per-head path reads and keeps of a request between layers and steps.
+
+    @property
+    def pools_layers(self) -> bool:
+        """Whether a relocated request's layers share one pool of pages: vLLM's whole KV buffer as one
+        page space, the CPU layout (``--kv-page-pool``)."""
+        return self.worker.config.page_pool != "layer" and self.worker.runner.kv_caches[0].device.type == "cpu"
+
+    def relocated_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache relocated requests' page ids index: the whole buffer when their layers share a pool."""
+        return self.worker.page_space().pages if self.pools_layers else kv_cache
+
+    def stash_window(self, req_id: str, layer: int, queries: torch.Tensor) -> None:
+        """Keep a chunk's window queries [tokens, q_heads, head_dim] (a copy: the step's query buffer is
+        reused) where they are, on the cache's device: the policy scores them there."""
+        self.track(req_id).window_queries.setdefault(layer, []).append(queries)
+
+    def take_window(self, req_id: str, layer: int, last: torch.Tensor) -> torch.Tensor:
+        """All window queries of a prompt for one layer, [q_heads, window, head_dim], on their device."""
+        earlier = self.requests[req_id].window_queries.pop(layer, [])
+        return torch.cat([*earlier, last]).transpose(0, 1)
+
+    def add_column_sums(self, req_id: str, layer: int, sums: torch.Tensor) -> None:
+        """Add a summed chunk's column sums [q_heads, keys so far] to the prompt's running ones of a layer."""
+        layers = self.track(req_id).column_sums
+        earlier = layers.get(layer)
+        if earlier is not None:
+            sums[:, : earlier.shape[1]] += earlier  # this chunk saw every earlier key, and its own
+        layers[layer] = sums
+
+    def take_column_sums(self, req_id: str, layer: int, length: int) -> torch.Tensor | None:
+        """A layer's running column sums of the prompt, zero-padded to ``length`` keys; None if no chunk was summed."""
+        sums = self.requests[req_id].column_sums.pop(layer, None)
+        if sums is None:
+            return None
+        return torch.nn.functional.pad(sums, (0, length - sums.shape[1]))
+
+    def observe(self, req_id: str, layer: int, kv_cache: torch.Tensor, observation: Any) -> dict:
+        """Record a layer's cache and observation of a prompt; all layers so far, emptied once the last arrives."""
+        request = self.requests[req_id]
+        observed = request.observed
+        observed[layer] = (kv_cache, observation)
+        if len(observed) == request.pages.num_layers:
+            request.observed = {}
+        return observed
+
+    def carried(self, req_id: str) -> CarriedState:
+        """What the request's evicting policy carries, made at its first compression."""
+        request = self.requests[req_id]
+        if request.carried is None:
+            request.carried = CarriedState.empty(request.pages.num_layers)
+        return request.carried
+
+    # The builder.
+
+    def build(self, batch: HostBatch, shape: StepShape) -> RelocatingStep:
+        """Rows of relocated requests go per head (running eviction passes when due); a prompt that completes
+        this step (or, for a policy that evicts while reading, a chunk over budget) relocates after
+        attention; chunks before it stash their window queries or, for H2O/D2O on ops that can, are
+        attended with their column sums."""
+        draft = _Draft()
+        for row in self.rows(batch):
+            request = self.requests.get(row.req_id)
+            if row.idle or (request is not None and request.uncompressed):
+                continue
+            if request is not None and request.pages is not None:
+                self._relocated_row(draft, row, request.pages, batch, shape)
+            elif row.start < row.prompt_len:
+                self._prompt_row(draft, row, batch, shape)
+        if draft.per_head:
+            draft.step.per_head = self._per_head_batch(draft.per_head, int(batch.query_start_loc[-1]), shape)
+        if draft.per_head or draft.summed_rows:
+            away = [per_head.row.index for per_head in draft.per_head] + draft.summed_rows
+            draft.step.stock = shape.stock_batch(batch, away)
+        return draft.step
+
+    def _relocated_row(self, draft: _Draft, row: Row, pages: RequestPages, batch: HostBatch, shape: StepShape) -> None:
+        """A relocated request attends per head; an evicting policy runs a pass over it when it is over budget."""
+        pages.add_blocks(batch.block_table[row.index, len(pages.blocks) : shape.num_blocks(row.seq_len)].tolist())
+        draft.per_head.append(PerHeadRow(row, pages))
+        reading = row.start < row.prompt_len
+        evicts = self.policy.evicts_while_reading if reading else self.policy.evicts_in_decode
+        if evicts and self._evicts_now(row, pages, reading, shape):
+            done = reading and row.prompt_len <= row.seq_len
+            self._relocate(draft, row, pages, prompt_done=done, length=None if reading and not done else row.seq_len)
+
+    def _prompt_row(self, draft: _Draft, row: Row, batch: HostBatch, shape: StepShape) -> None:
+        """A chunk of a prompt not relocated yet: summed, stashed, or relocated once it is read (or over budget)."""
+        policy = self.policy
+        budget = self.worker.config.budget_for(row.prompt_len, row.budget_arg)
+        if budget is None and policy.needs_budget:
+            return  # short prompt: stays on the stock path
+        window_idx = self._window_tokens(row)
+        if shape.sums_prompts and policy.needs_queries and window_idx.numel() == row.query_len:
+            # A chunk of prompt tokens only: attended with its column sums, no queries to keep.
+            heads = torch.arange(shape.num_kv_heads)
+            positions = torch.arange(row.seq_len)
+            slots = stock_slots(batch.block_table[row.index], shape.num_kv_heads, shape.block_size, positions, heads)
+            draft.step.summed.append(SummedChunk(row.req_id, window_idx, slots))
+            draft.summed_rows.append(row.index)
+            window_idx = window_idx[:0]
+        reading = row.seq_len < row.request.num_tokens  # the prompt (after a preemption: prompt and output)
+        if reading and not (policy.evicts_while_reading and row.seq_len > budget):
+            if window_idx.numel():
+                draft.step.window_stash.append(WindowStash(row.req_id, window_idx))
+            return
+        chooses = row.seq_len if reading else row.prompt_len
+        num_blocks = shape.num_blocks(row.seq_len)
+        order, shared = self.worker.writable_blocks(row.req_id, num_blocks)
+        if shared and not self._has_room(order, self.worker.policy_named(row.policy_name), budget, chooses, shape):
+            self.leave_uncompressed(row.req_id)
+            return
+        layer_base = self.worker.page_space().layer_base if self.pools_layers else None
+        blocks = batch.block_table[row.index, :num_blocks].tolist()
+        pages = RequestPages(shape.num_layers, shape.num_kv_heads, shape.block_size, blocks, order, layer_base)
+        self.track(row.req_id).pages = pages
+        self._relocate(
+            draft,
+            row,
+            pages,
+            prompt_done=not reading,
+            length=None if reading else row.seq_len,
+            num_tokens=chooses,
+            budget=budget,
+            window_idx=window_idx,
+        )
+
+    def _relocate(
+        self,
+        draft: _Draft,
+        row: Row,
+        pages: RequestPages,
+        *,
+        prompt_done: bool,
+        length: int | None,
+        num_tokens: int | None = None,
+        budget: int | None = None,
+        window_idx: torch.Tensor | None = None,
+    ) -> None:
+        """Relocate a prompt after attention (``num_tokens``: those the policy chooses among), or run an
+        eviction pass (``num_tokens`` None); ``length``: the request's once the step is done, if its prompt
+        is then read whole."""
+        self.worker.releases[row.req_id] = BlockRelease(pages, length=length, prompt_done=prompt_done)
+        relocation = Relocation(
+            req_id=row.req_id,
+            policy=self.worker.policy_named(row.policy_name),
+            pages=pages,
+            num_tokens=num_tokens,
+            num_computed=None if num_tokens is None else row.seq_len,
+            budget=budget,
+            window_idx=torch.zeros(0, dtype=torch.int64) if window_idx is None else window_idx,
+        )
+        draft.step.relocations.append(relocation)
+
+    def _window_tokens(self, row: Row) -> torch.Tensor:
+        """Batch indices of this chunk's tokens whose queries the policy scores with.
+
+        The observation window (the last ``window`` prompt tokens), or every
+        prompt token for policies that accumulate attention over the prompt.
+        """
+        if self.policy.needs_queries:
+            window = row.prompt_len
+        elif self.policy.needs_window:
+            window = self.worker.config.window
+        else:
+            return torch.zeros(0, dtype=torch.int64)
+        window_start = max(row.prompt_len - window, row.start)
+        window_end = max(min(row.seq_len, row.prompt_len), window_start)
+        return torch.arange(row.first_token + window_start - row.start, row.first_token + window_end - row.start)
+
+    @staticmethod
+    def _has_room(order: list[int], policy: Policy, budget: int | None, num_tokens: int, shape: StepShape) -> bool:
+        """Whether the blocks relocation may write (``order``: not those other requests read) hold the
+        most a layer can keep, and a spare block."""
+        heads = shape.num_kv_heads
+        pages = -(-policy.layer_token_bound(budget, num_tokens, heads) // shape.block_size) + heads
+        return len(order) * heads >= pages + heads
+
+    def _evicts_now(self, row: Row, pages: RequestPages, reading: bool, shape: StepShape) -> bool:
+        """An evicting policy compresses at every prompt chunk over budget, and in decode once some
+        layer is a page's worth over its budget (then every layer over budget is brought back to it)."""
+        lengths = pages.lengths
+        if (lengths != lengths[:, :1]).any():
+            raise RuntimeError("a policy that evicts must keep the same count in every head of a layer")
+        over = lengths[:, 0] + row.query_len - np.asarray(self.requests[row.req_id].carried.budgets)
+        return over.max() > 0 if reading else over.max() >= shape.block_size
+
+    @staticmethod
+    def _per_head_batch(rows: list[PerHeadRow], num_tokens: int, shape: StepShape) -> PerHeadBatch:
+        """``num_tokens``: the batch's query tokens."""
+        heads, num_layers = shape.num_kv_heads, shape.num_layers
+        token_idx = torch.cat([torch.arange(r.row.first_token, r.row.first_token + r.row.query_len) for r in rows])
+        token_of, head_of, slots = [], [], []
+        for per_head in rows:
+            row = per_head.row
+            tokens = torch.arange(row.first_token, row.first_token + row.query_len)
+            token_of.append(tokens.repeat(heads))
+            head_of.append(torch.arange(heads).repeat_interleave(row.query_len))
+            # [layers, H*q]
+            slots.append(per_head.pages.append(row.query_len).transpose(0, 2, 1).reshape(num_layers, -1))
+        query_lens = torch.tensor([r.row.query_len for r in rows]).repeat_interleave(heads)
+        query_start_loc = torch.zeros(query_lens.numel() + 1, dtype=torch.int32)
+        query_start_loc[1:] = query_lens.cumsum(0)
+        lengths = np.stack([r.pages.lengths for r in rows], axis=1).reshape(num_layers, -1)
+        lengths = lengths.astype(np.int32)
+        all_seq_lens = torch.from_numpy(lengths)
+        width = max(r.pages.max_pages() for r in rows)
+        tables = torch.from_numpy(np.concatenate([r.pages.page_table(width) for r in rows], axis=1))
+        layers, by_lengths = [], {}
+        for layer in range(num_layers):
+            seq_lens = all_seq_lens[layer]
+            key = lengths[layer].tobytes()  # a one-head plan depends on lengths only (``Planner``)
+            if key not in by_lengths:
+                by_lengths[key] = shape.heads_plan(query_start_loc, seq_lens, tables[layer])
+            layers.append(AttentionBatch(token_idx, query_start_loc, seq_lens, tables[layer], 1, by_lengths[key]))
+        whole_batch = token_idx.numel() == len(rows) == num_tokens  # one token per row, every row
+        return PerHeadBatch(
+            token_idx,
+            HeadRows(torch.cat(token_of), torch.cat(head_of), whole_batch),
+            layers,
+            torch.from_numpy(np.concatenate(slots, axis=1)),
+            [r.row.req_id for r in rows],
+        )

@@ -1,0 +1,296 @@
+"""Select (OmniKV): decode rows attend to the pages filter layers select, and with ``--kv-offload`` a
+request's sparse layers live in a host pool.
+
+``Select`` follows each offloaded request (``OffloadedRequest``: where each layer and head of it lives)
+and builds each step from vLLM's batch: decode rows over their budget select their context, prompts
+over budget that complete move their sparse layers to the host pool. ``SelectionPath`` runs the step in
+every layer: full-attention layers attend as stock (or, for offloaded rows, per head over their resident
+pages); a filter layer scores each decode row's context with its last token and builds the sparse call;
+sparse layers attend to the selection (offloaded rows: the selected pages loaded from the host pool into
+staging pages first). All tensor work on the cache goes through ``KVOps``; whole-page copies to and from
+the host tier are ``PageCopies``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpolicy.paging import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies
+from kvpolicy.policies.omnikv import select_pages
+from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
+from kvpolicy.vllm.ops import KVOps
+from kvpolicy.vllm.state import WORKER_STATE, BlockRelease
+from kvpolicy.vllm.step import AttentionBatch, ContextSelection, HeadRows, OffloadedBatch, SelectingStep
+
+
+@dataclass(frozen=True)
+class OffloadedRow:
+    """A decode row of an offloaded request, and the tokens its sparse layers attend to."""
+
+    row: Row
+    request: OffloadedRequest
+    budget: int
+
+
+class Select(ModeState[OffloadedRequest]):
+    """OmniKV's requests: only offloaded ones hold state (their pages), made at their offload."""
+
+    host: HostPagePool | None = None
+    _source_layers: list[int | None] | None = None
+
+    def pages_of(self, request: OffloadedRequest) -> OffloadedRequest:
+        return request
+
+    def dropped(self, request: OffloadedRequest) -> None:
+        self.host.release(request.host_page_ids(), request.host_reserved)
+
+    def host_pool(self) -> HostPagePool:
+        """The host tier, ``--kv-offload`` GiB of one-head pages, made at first use."""
+        if self.host is None:
+            pages = self.worker.page_space().pages
+            page_bytes = pages[0].nbytes
+            self.host = HostPagePool(
+                int(self.worker.config.offload * 2**30) // page_bytes,
+                pages[0].numel(),
+                pages.dtype,
+                pin=torch.cuda.is_available(),
+            )
+        return self.host
+
+    def source_layers(self, num_layers: int) -> list[int | None]:
+        """Per layer, the filter layer whose selection it attends to (None: full attention)."""
+        if self._source_layers is None:
+            self._source_layers = self.policy.source_layers(num_layers)
+        return self._source_layers
+
+    def build(self, batch: HostBatch, shape: StepShape) -> SelectingStep | None:
+        """Decode rows whose context is over their budget attend sparsely in the sparse layers; with
+        ``--kv-offload``, prompts over budget move their sparse layers to the host pool."""
+        config = self.worker.config
+        selected: list[tuple[Row, int]] = []
+        offloaded: list[OffloadedRow] = []
+        offloads: list[OffloadPlan] = []
+        for row in self.rows(batch):
+            budget = config.sparse_budget(row.seq_len, shape.num_layers, row.budget_arg)
+            request = self.requests.get(row.req_id)
+            if request is not None:
+                if row.query_len != 1:
+                    raise RuntimeError("an offloaded request takes one new token per step")
+                offloaded.append(OffloadedRow(row, request, budget))
+            elif not self._decoding(row):
+                if config.offload is not None and row.seq_len == row.request.num_tokens and budget < row.seq_len:
+                    offload = self._offload(row, batch, budget, shape)
+                    if offload is not None:
+                        offloads.append(offload)
+            elif budget < row.seq_len:
+                selected.append((row, budget))
+        if not (selected or offloaded or offloads):
+            return None
+        away = [row.index for row, _ in selected] + [o.row.index for o in offloaded]
+        step = SelectingStep(
+            sources=self.source_layers(shape.num_layers),
+            stock=shape.stock_batch(batch, away),
+            context=self._context(selected, batch, shape) if selected else None,
+            offloads=offloads,
+        )
+        if offloaded:
+            step.offloaded = self._offloaded_batch(offloaded, batch, shape)
+            step.resident = shape.stock_batch(batch, [o.row.index for o in offloaded])
+        return step
+
+    @staticmethod
+    def _decoding(row: Row) -> bool:
+        """A decode row: one new token past the prompt (prompt and recompute chunks attend fully)."""
+        return row.query_len == 1 and row.prompt_len < row.seq_len == row.request.num_tokens
+
+    @staticmethod
+    def _context(selected: list[tuple[Row, int]], batch: HostBatch, shape: StepShape) -> ContextSelection:
+        rows = [row.index for row, _ in selected]
+        row_idx = torch.tensor(rows, dtype=torch.int64)
+        return ContextSelection(
+            token_idx=torch.from_numpy(batch.query_start_loc[rows].astype(np.int64)),
+            seq_lens=batch.seq_lens[row_idx],
+            block_table=batch.block_table[row_idx],
+            budgets=[budget for _, budget in selected],
+            plan=shape.rows_plan,
+        )
+
+    def _offload(self, row: Row, batch: HostBatch, budget: int, shape: StepShape) -> OffloadPlan | None:
+        """Plan the offload of a prompt that completes this step; None when the host pool is full, or
+        when with prefix caching its own blocks cannot hold what stays on the device."""
+        space = self.worker.page_space()
+        num_blocks = shape.num_blocks(row.seq_len)
+        order, _ = self.worker.writable_blocks(row.req_id, num_blocks)
+        request = OffloadedRequest(
+            space.layer_base,
+            shape.num_kv_heads,
+            shape.block_size,
+            batch.block_table[row.index][:num_blocks].tolist(),
+            [source is None for source in self.source_layers(shape.num_layers)],
+            order,
+        )
+        staging = -(-budget // shape.block_size) - 1
+        if request.blocks_needed(row.seq_len, staging) > len(order):
+            self.worker.counters["shared_prefix_uncompressed"] += 1
+            return None
+        try:
+            plan = request.offload(row.seq_len, self.host_pool(), staging, shape.max_model_len)
+        except MemoryError:
+            self.worker.counters["offload_refused"] += 1
+            return None
+        self.requests[row.req_id] = request
+        self.worker.releases[row.req_id] = BlockRelease(request, keep=plan.keep_blocks)
+        return plan
+
+    def _offloaded_batch(self, rows: list[OffloadedRow], batch: HostBatch, shape: StepShape) -> OffloadedBatch:
+        heads = shape.num_kv_heads
+        host = self.host_pool()
+        slots, flushes = [], []
+        for offloaded in rows:
+            request = offloaded.request
+            num_blocks = shape.num_blocks(request.length + 1)
+            request.add_blocks(batch.block_table[offloaded.row.index, len(request.blocks) : num_blocks].tolist())
+            row_slots, row_flushes = request.append(host)
+            slots.append(row_slots)
+            flushes.append(row_flushes)
+        token_idx = torch.tensor([offloaded.row.first_token for offloaded in rows], dtype=torch.int64)
+        requests = [offloaded.request for offloaded in rows]
+        query_start_loc = torch.arange(len(rows) * heads + 1, dtype=torch.int32)
+        seq_lens = torch.tensor([r.length for r in requests], dtype=torch.int32).repeat_interleave(heads)
+        full = {}
+        for layer, source in enumerate(self.source_layers(shape.num_layers)):
+            if source is None:
+                table = padded_table([pages for request in requests for pages in request.full_table(layer)])
+                full[layer] = AttentionBatch(
+                    token_idx, query_start_loc, seq_lens, table, 1, shape.heads_plan(query_start_loc, seq_lens, table)
+                )
+        whole_batch = len(rows) == int(batch.query_start_loc[-1])
+        return OffloadedBatch(
+            token_idx=token_idx,
+            rows=HeadRows(token_idx.repeat_interleave(heads), torch.arange(heads).repeat(len(rows)), whole_batch),
+            requests=requests,
+            budgets=[offloaded.budget for offloaded in rows],
+            slots=torch.stack(slots, dim=1).reshape(shape.num_layers, -1),
+            flushes=[PageCopies.cat([row[layer] for row in flushes]) for layer in range(shape.num_layers)],
+            full=full,
+            plan=shape.heads_plan,
+        )
+
+
+def padded_table(rows: list[list[int]]) -> torch.Tensor:
+    """A block table with one row per virtual sequence, zero-padded to the longest."""
+    table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+    for i, pages in enumerate(rows):
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    return table
+
+
+def _select() -> Select:
+    """The worker's mode, a selecting one whenever this path runs."""
+    return WORKER_STATE.mode
+
+
+class SelectionPath:
+    def __init__(self, ops: KVOps):
+        self.ops = ops
+
+    def write(self, layer, layer_idx: int, key, value, offloaded: OffloadedBatch) -> None:
+        """Offloaded rows' new K/V into their tail pages, after the full ones are flushed to the host."""
+        pages = WORKER_STATE.page_space().pages
+        flush = offloaded.flushes[layer_idx]
+        WORKER_STATE.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), _select().host.pages)
+        self.ops.write(layer, pages, key, value, offloaded.rows, offloaded.slots[layer_idx])
+
+    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SelectingStep, full_attention) -> None:
+        """One layer of a selecting step; ``full_attention()`` is the platform's stock call over every row.
+
+        Offloaded rows attend per head over the whole KV buffer: full layers to their own pages, sparse
+        layers to the selected pages loaded from the host pool into staging pages, then their tail.
+        """
+        context, offloaded = step.context, step.offloaded
+        source = step.sources[layer_idx]
+        pages = WORKER_STATE.page_space().pages if offloaded is not None or step.offloads else None
+        if source is None:
+            if offloaded is None:
+                full_attention()
+            else:
+                self.ops.attend(layer, query, out, kv_cache, step.resident)
+                batch = offloaded.full[layer_idx]
+                self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
+            if layer_idx in WORKER_STATE.policy.filter_layers:
+                if context is not None:
+                    context.selected[layer_idx] = self._select(layer, query, kv_cache, context)
+                if offloaded is not None:
+                    offloaded.chosen[layer_idx] = self._select_offloaded(layer, query, pages, layer_idx, offloaded)
+        else:
+            self.ops.attend(layer, query, out, kv_cache, step.stock)
+            if context is not None:
+                self.ops.attend(layer, query, out, kv_cache, context.selected[source])
+            if offloaded is not None:
+                batch = self._load_selection(pages, layer_idx, offloaded, offloaded.chosen[source])
+                self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
+        if step.offloads and layer_idx == len(step.sources) - 1:
+            _offload(pages, step.offloads)
+
+    def _choose_pages(self, layer, query, cache, page_ids, token_idx, lengths, budgets) -> list[torch.Tensor]:
+        """Eq. (3)-(4) and the page choice for decode rows: ``page_ids`` [rows, kv_heads, pages] in ``cache``."""
+        block_size = cache.shape[2]
+        scores = self.ops.context_scores(layer, query, cache, page_ids, token_idx, lengths).cpu()
+        chosen = select_pages(scores, lengths, block_size, budgets)
+        WORKER_STATE.counters["context_pages"] += int((-(-lengths // block_size)).sum())
+        WORKER_STATE.counters["selected_pages"] += sum(c.numel() for c in chosen)
+        return chosen
+
+    def _select(self, layer, query, kv_cache, context: ContextSelection) -> AttentionBatch:
+        """Score each decode row's context with its last token (eq. 3-4) and build the sparse call over its pages."""
+        heads, block_size = kv_cache.shape[1:3]
+        lengths = context.seq_lens.long()
+        num_pages = -(-lengths // block_size)
+        table = context.block_table.long()[:, : int(num_pages.max())]
+        page_ids = table[:, None, :] * heads + torch.arange(heads)[None, :, None]
+        chosen = self._choose_pages(layer, query, kv_cache, page_ids, context.token_idx, lengths, context.budgets)
+        block_table = torch.zeros(len(chosen), max(c.numel() for c in chosen), dtype=context.block_table.dtype)
+        for row, selected in enumerate(chosen):
+            block_table[row, : selected.numel()] = table[row, selected].to(block_table.dtype)
+        counts = torch.tensor([c.numel() for c in chosen])
+        # Every page but the current (last) one is full: drop the tokens of the pages left out.
+        seq_lens = (lengths - (num_pages - counts) * block_size).to(context.seq_lens.dtype)
+        query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
+        plan = context.plan(query_start_loc, seq_lens, block_table)
+        return AttentionBatch(context.token_idx, query_start_loc, seq_lens, block_table, heads, plan)
+
+    def _select_offloaded(self, layer, query, pages, layer_idx: int, offloaded: OffloadedBatch) -> list[torch.Tensor]:
+        """The filter layer's choice for offloaded rows, from its keys in the request's own pages."""
+        batch = offloaded.full[layer_idx]
+        page_ids = batch.block_table.long().view(len(offloaded.requests), -1, batch.block_table.shape[1])
+        lengths = torch.tensor([request.length for request in offloaded.requests])
+        return self._choose_pages(layer, query, pages, page_ids, offloaded.token_idx, lengths, offloaded.budgets)
+
+    def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:
+        """Copy a sparse layer's selected pages from the host pool into staging; the call that reads them."""
+        calls = [
+            request.sparse_call(layer_idx, rows_pages.tolist())
+            for request, rows_pages in zip(offloaded.requests, chosen)
+        ]
+        loads = PageCopies.cat([call.loads for call in calls])
+        WORKER_STATE.counters["loaded_kv_pages"] += loads.apply(_select().host.pages, pages.flatten(1))
+        heads = len(offloaded.rows.token_of) // len(calls)
+        table = padded_table([pages for call in calls for pages in call.table])
+        seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
+        query_start_loc = torch.arange(len(calls) * heads + 1, dtype=torch.int32)
+        return AttentionBatch(
+            offloaded.token_idx, query_start_loc, seq_lens, table, 1, offloaded.plan(query_start_loc, seq_lens, table)
+        )
+
+
+def _offload(pages, offloads: list[OffloadPlan]) -> None:
+    """After the last layer: sparse layers' completed pages to the host, then the rest packed into
+    the blocks each request keeps (every source read before any destination is written)."""
+    flat = pages.flatten(1)
+    for plan in offloads:
+        WORKER_STATE.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, _select().host.pages)
+        plan.on_device.apply(flat, flat)
+        WORKER_STATE.counters["offloaded_requests"] += 1

@@ -1,0 +1,214 @@
+"""Share (PoD): decode rows attend per KV head with the distant tokens' logits of a lower layer.
+
+A PoD request is read with full attention (stock). ``Share`` follows each request (``SharedRequest``)
+and builds each step from vLLM's batch: after the last layer of the step that completes a request, its
+tokens move into ``SharedPages`` over the whole KV buffer: every token in each block's lowest layer, the
+proximal ones elsewhere, with the distant values packed two per slot; the connector then hands back the
+blocks the layout no longer uses. In decode, ``SharingPath`` has each layer write the new K/V into the
+request's main sequences and attend in torch (``pod.attend_shared``): a block's lowest layer over
+everything, keeping its distant logits for the layers above it; those layers over their own proximal keys
+plus the shared logits and their own distant values. All cache reads and writes go through ``KVOps``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpolicy.paging import SharedLayoutPlan, SharedPages
+from kvpolicy.policies.pod import LayerGroups, attend_shared, proximal_gate, proximal_logits
+from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
+from kvpolicy.vllm.ops import KVOps
+from kvpolicy.vllm.state import WORKER_STATE, BlockRelease
+from kvpolicy.vllm.step import HeadRows, SharedBatch, SharingStep
+
+
+@dataclass
+class SharedRequest:
+    """One request of PoD: its ``pages`` once laid out; ``uncompressed``: its own blocks could not hold
+    the layout, it stays on the stock path."""
+
+    pages: SharedPages | None = None
+    uncompressed: bool = False
+
+
+class Share(ModeState[SharedRequest]):
+    def new_request(self) -> SharedRequest:
+        return SharedRequest()
+
+    def pages_of(self, request: SharedRequest) -> SharedPages | None:
+        return request.pages
+
+    @functools.cached_property
+    def keeps_distant_keys(self) -> np.ndarray:
+        """[layers, heads]: PoD's (layer, head) pairs that are the lowest of their block."""
+        return np.array(self.policy.layer_groups().keeps_distant_keys())
+
+    def build(self, batch: HostBatch, shape: StepShape) -> SharingStep | None:
+        """Decode rows of laid-out requests attend on the sharing path; a request whose computed tokens
+        are all in the cache this step, with a page's worth of distant tokens, is laid out after the
+        step's last layer (its blocks past the layout go back to vLLM). With prefix caching the layout
+        writes only its own blocks (``write_order``); a prompt whose own blocks cannot hold it stays on
+        the stock path."""
+        decoding: list[tuple[Row, SharedPages]] = []
+        layouts: list[SharedLayoutPlan] = []
+        for row in self.rows(batch):
+            request = self.requests.get(row.req_id)
+            if row.idle or (request is not None and request.uncompressed):
+                continue
+            if request is not None and request.pages is not None:
+                if row.query_len != 1:
+                    raise RuntimeError("a PoD request takes one new token per step once it is laid out")
+                pages = request.pages
+                pages.add_blocks(
+                    batch.block_table[row.index, len(pages.blocks) : shape.num_blocks(row.seq_len)].tolist()
+                )
+                decoding.append((row, pages))
+                continue
+            layout = self._layout(row, batch, shape)
+            if layout is not None:
+                layouts.append(layout)
+        if not (decoding or layouts):
+            return None
+        away = [row.index for row, _ in decoding]
+        step = SharingStep(shape.stock_batch(batch, away), layouts=layouts)
+        if decoding:
+            step.shared = self._shared_batch(decoding, batch, shape)
+        return step
+
+    def _layout(self, row: Row, batch: HostBatch, shape: StepShape) -> SharedLayoutPlan | None:
+        """The layout of a request read whole this step, with a page's worth of distant tokens; None otherwise."""
+        distant = self.policy.distant_range(row.seq_len)
+        start, end = distant
+        if row.seq_len < row.request.num_tokens or end - start < shape.block_size:
+            return None  # a prompt chunk, or too few distant tokens to free a page
+        num_blocks = shape.num_blocks(row.seq_len)
+        blocks = batch.block_table[row.index, :num_blocks].tolist()
+        order, shared = self.worker.writable_blocks(row.req_id, num_blocks)
+        layer_base = self.worker.page_space().layer_base
+        pages = SharedPages(layer_base, shape.num_kv_heads, shape.block_size, blocks, self.keeps_distant_keys, order)
+        if shared and pages.blocks_needed(row.seq_len, distant) > len(order):
+            self.leave_uncompressed(row.req_id)
+            return None
+        layout = pages.layout(row.seq_len, distant)
+        self.track(row.req_id).pages = pages
+        self.worker.releases[row.req_id] = BlockRelease(pages, length=row.seq_len, prompt_done=True)
+        return layout
+
+    @staticmethod
+    def _shared_batch(decoding: list[tuple[Row, SharedPages]], batch: HostBatch, shape: StepShape) -> SharedBatch:
+        heads = shape.num_kv_heads
+        token_idx = torch.tensor([row.first_token for row, _ in decoding], dtype=torch.int64)
+        slots = torch.stack([pages.append() for _, pages in decoding], dim=1)  # [layers, rows, heads]
+        return SharedBatch(
+            token_idx,
+            HeadRows(
+                token_idx.repeat_interleave(heads),
+                torch.arange(heads).repeat(len(decoding)),
+                len(decoding) == int(batch.query_start_loc[-1]),
+            ),
+            [pages for _, pages in decoding],
+            slots.reshape(shape.num_layers, -1),
+        )
+
+
+class SharingPath:
+    def __init__(self, ops: KVOps):
+        self.ops = ops
+
+    @functools.cached_property
+    def _groups(self) -> LayerGroups:
+        return WORKER_STATE.policy.layer_groups()
+
+    @functools.cached_property
+    def _lowest(self) -> np.ndarray:
+        """[layer, head]: the lowest layer of the block each (layer, head) belongs to."""
+        return np.array(self._groups.lowest())
+
+    @functools.cached_property
+    def _shared_from(self) -> np.ndarray:
+        """[layer, head]: whether some layer above reuses this (layer, head)'s distant logits."""
+        used = np.zeros_like(self._lowest, dtype=bool)
+        for layer, head in self._groups.reused():
+            used[layer, head] = True
+        return used
+
+    def write(self, layer, layer_idx: int, key, value, shared: SharedBatch) -> None:
+        """The decode rows' new K/V at the end of their main sequences."""
+        pages = WORKER_STATE.page_space().pages
+        self.ops.write(layer, pages, key, value, shared.rows, shared.slots[layer_idx])
+
+    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SharingStep, scale: float) -> None:
+        """Stock rows as usual, decode rows per KV head (eq. 3-4)."""
+        self.ops.attend(layer, query, out, kv_cache, step.stock)
+        if step.shared is not None:
+            self._attend_shared(layer, layer_idx, query, out, step.shared, scale)
+
+    def after_attention(self, layer, layer_idx: int, step: SharingStep) -> None:
+        """After the last layer, lay out the prompts that completed this step."""
+        if step.layouts and layer_idx == len(self._lowest) - 1:
+            self._lay_out(layer, step)
+
+    def _attend_shared(self, layer, layer_idx: int, query, out, shared: SharedBatch, scale: float) -> None:
+        pages = WORKER_STATE.page_space().pages
+        tau = WORKER_STATE.policy.tau
+        counters = WORKER_STATE.counters
+        heads = len(shared.rows.head_of) // len(shared.requests)
+        group = query.shape[1] // heads
+        lowest, shared_from = self._lowest[layer_idx], self._shared_from[layer_idx]
+        for row, (token, request) in enumerate(zip(shared.token_idx.tolist(), shared.requests)):
+            main = request.main_slots(layer_idx)
+            keys, values = self.ops.gather(layer, pages, torch.cat(main))
+            lengths = [slots.numel() for slots in main]
+            keys, values = keys.split(lengths), values.split(lengths)
+            start, end = request.distant
+            for head in range(heads):
+                own = proximal_logits(query[token, head * group : (head + 1) * group], keys[head], scale)
+                source = int(lowest[head])
+                if source == layer_idx:
+                    if shared_from[head] and end > start:
+                        shared.distant_logits[row, head, layer_idx] = own[:, start:end]
+                    result, _ = attend_shared(own, values[head], None, None)
+                else:
+                    distant_logits = shared.distant_logits[row, head, source]
+                    counters["pod_distant_evaluated"] += group
+                    if tau is not None and bool((proximal_gate(own, distant_logits) >= tau).all()):
+                        counters["pod_distant_skipped"] += group
+                        result, _ = attend_shared(own, values[head], None, None)
+                    else:
+                        result, skipped = attend_shared(
+                            own,
+                            values[head],
+                            distant_logits,
+                            self._distant_values(layer, pages, request, layer_idx, head),
+                            tau,
+                        )
+                        counters["pod_distant_skipped"] += int(skipped.sum())
+                out[token, head * group : (head + 1) * group] = result.to(out.dtype)
+
+    def _distant_values(self, layer, pages, request, layer_idx: int, head: int) -> torch.Tensor:
+        """A sharing (layer, head)'s distant values in position order, unpacked from their pairs."""
+        even, odd = self.ops.gather(layer, pages, request.value_slots(layer_idx, head))
+        return torch.stack([even, odd], dim=1).flatten(0, 1)[: request.num_distant]
+
+    def _lay_out(self, layer, step: SharingStep) -> None:
+        """Move each completed prompt into its shared layout: every source read before any destination is written."""
+        pages = WORKER_STATE.page_space().pages
+        read = []
+        for plan in step.layouts:
+            keys, values = self.ops.gather(layer, pages, plan.tokens.src)
+            pairs = plan.values
+            if pairs.dst.numel():
+                _, even = self.ops.gather(layer, pages, pairs.even)
+                _, odd = self.ops.gather(layer, pages, pairs.odd)
+            else:
+                even = odd = None
+            read.append((plan, keys, values, even, odd))
+        for plan, keys, values, even, odd in read:
+            self.ops.scatter(layer, pages, plan.tokens.dst, keys, values)
+            if even is not None:
+                self.ops.scatter(layer, pages, plan.values.dst, even, odd)
+            WORKER_STATE.counters["pod_layouts"] += 1
