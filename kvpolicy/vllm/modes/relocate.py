@@ -80,6 +80,8 @@ class _Draft:
 
 
 class Relocate(ModeState[RelocatedRequest]):
+    """The relocating policies' requests, from their first prompt chunk on, and the builder of their steps."""
+
     def new_request(self) -> RelocatedRequest:
         return RelocatedRequest()
 

@@ -38,7 +38,7 @@ def _rows(query: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
     return query[token_idx.to(query.device, non_blocking=True)]
 
 
-def _relocate() -> Relocate:
+def _mode() -> Relocate:
     """The worker's mode, a relocating one whenever this path runs."""
     return WORKER_STATE.mode
 
@@ -49,9 +49,7 @@ class PerHeadPath:
 
     def write(self, layer, layer_idx: int, key, value, kv_cache, per_head: PerHeadBatch) -> None:
         """The relocated rows' new K/V into their own pages (the stock rows are written by the platform)."""
-        self.ops.write(
-            layer, _relocate().relocated_cache(kv_cache), key, value, per_head.rows, per_head.slots[layer_idx]
-        )
+        self.ops.write(layer, _mode().relocated_cache(kv_cache), key, value, per_head.rows, per_head.slots[layer_idx])
 
     def attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
         """Stock rows in vLLM's layout, relocated rows per head, summed prompt chunks with their
@@ -60,25 +58,25 @@ class PerHeadPath:
         per_head = step.per_head
         if per_head is not None:
             batch = per_head.layers[layer_idx]
-            self.ops.attend(layer, query, out, _relocate().relocated_cache(kv_cache), batch, per_head.rows)
+            self.ops.attend(layer, query, out, _mode().relocated_cache(kv_cache), batch, per_head.rows)
         for chunk in step.summed:
             sums = self.ops.prompt_attention(layer, query, out, kv_cache, chunk)
-            _relocate().add_column_sums(chunk.req_id, layer_idx, sums)
+            _mode().add_column_sums(chunk.req_id, layer_idx, sums)
 
     def after_attention(self, layer, layer_idx: int, query, kv_cache, step: RelocatingStep) -> None:
         """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes;
         after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
-            _relocate().stash_window(stash.req_id, layer_idx, _rows(query, stash.token_idx))
+            _mode().stash_window(stash.req_id, layer_idx, _rows(query, stash.token_idx))
         if step.per_head is not None and WORKER_STATE.policy.accumulates_attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
             self._relocate(layer, layer_idx, query, kv_cache, step.relocations)
-            if _relocate().pools_layers and layer_idx == step.relocations[0].pages.num_layers - 1:
+            if _mode().pools_layers and layer_idx == step.relocations[0].pages.num_layers - 1:
                 for relocation in step.relocations:
                     moves = relocation.pages.pack()
                     if moves.src.numel():
-                        self.ops.move(layer, _relocate().relocated_cache(kv_cache), moves.src, moves.dst)
+                        self.ops.move(layer, _mode().relocated_cache(kv_cache), moves.src, moves.dst)
 
     def _add_attention(self, layer, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
         """Add each relocated request's new token's attention weights over its cache to its carried scores."""
@@ -86,10 +84,10 @@ class PerHeadPath:
             raise RuntimeError("policies that accumulate attention take one new token per request and step")
         batch = per_head.layers[layer_idx]
         heads = kv_cache.shape[1]
-        weights = self.ops.new_token_weights(layer, query, _relocate().relocated_cache(kv_cache), batch, per_head.rows)
+        weights = self.ops.new_token_weights(layer, query, _mode().relocated_cache(kv_cache), batch, per_head.rows)
         lengths = batch.seq_lens.long()  # the step's host copy
         for i, req_id in enumerate(per_head.req_ids):
-            carried = _relocate().requests[req_id].carried
+            carried = _mode().requests[req_id].carried
             rows = weights[i * heads : (i + 1) * heads, : int(lengths[i * heads])]
             carried.scores[layer_idx] = add_new_token(carried.scores[layer_idx], rows)
 
@@ -107,13 +105,13 @@ class PerHeadPath:
                 continue
             queries = None
             if policy.needs_window or policy.needs_queries:
-                queries = _relocate().take_window(relocation.req_id, layer_idx, _rows(query, relocation.window_idx))
+                queries = _mode().take_window(relocation.req_id, layer_idx, _rows(query, relocation.window_idx))
             prompt, slots = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
             counts = relocation.num_tokens, relocation.num_computed
             if not policy.budgets_across_layers:
                 self._compact(layer, kv_cache, layer_idx, relocation, prompt, slots, relocation.budget, None, *counts)
                 continue
-            observed = _relocate().observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
+            observed = _mode().observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
             if layer_idx == num_layers - 1:
                 caches, observations = zip(*(observed[i] for i in range(num_layers)))
                 budgets = policy.layer_budgets(list(observations), relocation.budget)
@@ -124,7 +122,7 @@ class PerHeadPath:
     def _evict(self, layer, kv_cache, layer_idx: int, relocation: Relocation) -> None:
         """An eviction pass: this layer's cache back to its budget, with what the policy carried, if over it."""
         pages = relocation.pages
-        carried = _relocate().requests[relocation.req_id].carried
+        carried = _mode().requests[relocation.req_id].carried
         length = int(pages.lengths[layer_idx, 0])
         budget = carried.budgets[layer_idx]
         if length <= budget:
@@ -149,7 +147,7 @@ class PerHeadPath:
         slots = relocation.pages.current_slots(layer_idx, [torch.arange(num_slots)] * heads)
         slots = slots.view(heads, num_slots).to(kv_cache.device, non_blocking=True)
         read = slots[:, :num_tokens].reshape(-1)
-        keys, values = self.ops.gather(layer, _relocate().relocated_cache(kv_cache), read)
+        keys, values = self.ops.gather(layer, _mode().relocated_cache(kv_cache), read)
         return keys.view(heads, num_tokens, -1), values.view(heads, num_tokens, -1), slots
 
     def _prompt(self, layer, kv_cache, layer_idx: int, relocation: Relocation, queries):
@@ -161,7 +159,7 @@ class PerHeadPath:
         column_sums = None
         if policy.accumulates_attention and queries is not None:
             # Summed chunks' sums cover the prompt's first positions; stashed queries, its last ones.
-            column_sums = _relocate().take_column_sums(relocation.req_id, layer_idx, keys.shape[1])
+            column_sums = _mode().take_column_sums(relocation.req_id, layer_idx, keys.shape[1])
             if queries.shape[1]:
                 from_queries = self.ops.prompt_column_sums(keys, queries)
                 column_sums = from_queries if column_sums is None else column_sums + from_queries
@@ -197,14 +195,14 @@ class PerHeadPath:
         kept = [torch.cat([chosen, generated]) for chosen in result.kept]
         src = torch.cat([head_slots[positions] for head_slots, positions in zip(slots, kept)])
         dst = pages.allot(layer_idx, [positions.numel() for positions in kept])
-        cache = _relocate().relocated_cache(kv_cache)
+        cache = _mode().relocated_cache(kv_cache)
         self.ops.move(layer, cache, src, dst)
         if result.keys is not None:
             rewritten = pages.current_slots(layer_idx, [torch.arange(chosen.numel()) for chosen in result.kept])
             keys, values = result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size)
             self.ops.scatter(layer, cache, rewritten, keys, values)
         if policy.evicts_in_decode:
-            carried = _relocate().carried(relocation.req_id)
+            carried = _mode().carried(relocation.req_id)
             carried.budgets[layer_idx] = budget
             if result.scores is not None:
                 # Output recomputed after a preemption has no scores yet.

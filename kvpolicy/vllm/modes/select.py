@@ -188,7 +188,7 @@ def padded_table(rows: list[list[int]]) -> torch.Tensor:
     return table
 
 
-def _select() -> Select:
+def _mode() -> Select:
     """The worker's mode, a selecting one whenever this path runs."""
     return WORKER_STATE.mode
 
@@ -201,7 +201,7 @@ class SelectionPath:
         """Offloaded rows' new K/V into their tail pages, after the full ones are flushed to the host."""
         pages = WORKER_STATE.page_space().pages
         flush = offloaded.flushes[layer_idx]
-        WORKER_STATE.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), _select().host.pages)
+        WORKER_STATE.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), _mode().host.pages)
         self.ops.write(layer, pages, key, value, offloaded.rows, offloaded.slots[layer_idx])
 
     def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SelectingStep, full_attention) -> None:
@@ -233,7 +233,7 @@ class SelectionPath:
                 batch = self._load_selection(pages, layer_idx, offloaded, offloaded.chosen[source])
                 self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
         if step.offloads and layer_idx == len(step.sources) - 1:
-            _offload(pages, step.offloads)
+            _move_offloads(pages, step.offloads)
 
     def _choose_pages(self, layer, query, cache, page_ids, token_idx, lengths, budgets) -> list[torch.Tensor]:
         """Eq. (3)-(4) and the page choice for decode rows: ``page_ids`` [rows, kv_heads, pages] in ``cache``."""
@@ -276,7 +276,7 @@ class SelectionPath:
             for request, rows_pages in zip(offloaded.requests, chosen)
         ]
         loads = PageCopies.cat([call.loads for call in calls])
-        WORKER_STATE.counters["loaded_kv_pages"] += loads.apply(_select().host.pages, pages.flatten(1))
+        WORKER_STATE.counters["loaded_kv_pages"] += loads.apply(_mode().host.pages, pages.flatten(1))
         heads = len(offloaded.rows.token_of) // len(calls)
         table = padded_table([pages for call in calls for pages in call.table])
         seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
@@ -286,11 +286,11 @@ class SelectionPath:
         )
 
 
-def _offload(pages, offloads: list[OffloadPlan]) -> None:
+def _move_offloads(pages, offloads: list[OffloadPlan]) -> None:
     """After the last layer: sparse layers' completed pages to the host, then the rest packed into
     the blocks each request keeps (every source read before any destination is written)."""
     flat = pages.flatten(1)
     for plan in offloads:
-        WORKER_STATE.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, _select().host.pages)
+        WORKER_STATE.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, _mode().host.pages)
         plan.on_device.apply(flat, flat)
         WORKER_STATE.counters["offloaded_requests"] += 1

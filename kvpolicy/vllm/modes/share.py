@@ -36,6 +36,8 @@ class SharedRequest:
 
 
 class Share(ModeState[SharedRequest]):
+    """PoD's requests, from the step that lays them out on, and the builder of their steps."""
+
     def new_request(self) -> SharedRequest:
         return SharedRequest()
 
