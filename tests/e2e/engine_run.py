@@ -85,7 +85,7 @@ class SharedAttentionRecords:
 def capture_shared_attention() -> SharedAttentionRecords:
     """Wrap the sharing path so that its per-head attention is recorded with its inputs (the query and
     keys its proximal logits come from) and its output."""
-    from kvpolicy.vllm import sharing
+    from kvpolicy.vllm.modes import share as sharing
 
     capture = SharedAttentionRecords()
     attend_layer, logits_of, attend = sharing.SharingPath._attend_shared, sharing.proximal_logits, sharing.attend_shared
