@@ -155,6 +155,7 @@ def run_engine(args) -> dict:
     from vllm import LLM
 
     import kvpolicy.vllm  # noqa: F401
+    from kvpolicy.config import KVPolicyConfig
     from kvpolicy.model import prepare
 
     offload = args.engine == "offload"
@@ -194,10 +195,10 @@ def run_engine(args) -> dict:
                     "answers": answers,
                 }
             )
-    config = llm.llm_engine.vllm_config.additional_config["kv_policy"]
+    omnikv = KVPolicyConfig.from_dict(llm.llm_engine.vllm_config.additional_config["kv_policy"]).make_policy()
     settings = {
-        "filter_layers": list(config["filter_layers"]),
-        "dense_layers": config["dense_layers"],
+        "filter_layers": list(omnikv.filter_layers),
+        "dense_layers": omnikv.dense_layers,
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
     }
     return {"rows": rows, "settings": settings}

@@ -128,7 +128,7 @@ def run_one(args) -> dict:
 
     # The same prompt with a per-request budget of its whole length takes vLLM's stock path in this
     # engine: the compression's own cost, free of the drift between engines on a shared machine.
-    compares = name not in UNBUDGETED and not POLICIES[name].evicts_while_reading
+    compares = name not in UNBUDGETED and not POLICIES[name].schedule.per_chunk
     # The engine's first prompt of this length runs about 10% slower than later ones: run it untimed.
     time_to_first_token(**({"kv_budget": args.ttft_len} if compares else {}))
     ttft_whole = time_to_first_token(kv_budget=args.ttft_len) if compares else None

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+import functools
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
-from kvpolicy.policies import POLICIES, Mode, make_policy
-
-#: OmniKV defaults for the default model (30 layers), from ``python -m kvpolicy.calibrate`` (docs/policies.md).
-OMNIKV_FILTER_LAYERS = (2, 9, 15)
-OMNIKV_DENSE_LAYERS = 2
-
+from kvpolicy.policies import POLICIES, Mode, Policy, make_policy
+from kvpolicy.policies.options import check_value, flag_of, is_option, one_of, option
 
 #: Options a request may set in ``SamplingParams.extra_args`` (OpenAI API: ``vllm_xargs``).
 REQUEST_BUDGET_KEY = "kv_budget"
@@ -27,94 +25,188 @@ def check_policy_name(name: str) -> None:
         raise KVPolicyConfigError(f"unknown --kv-policy {name!r}; choose one of: " + ", ".join(sorted(POLICIES)))
 
 
-@dataclass(frozen=True)
+def _budget(value) -> str | None:
+    return None if value > 0 else f"must be a positive number of tokens per KV head, got {value}"
+
+
+def _ratio(value) -> str | None:
+    return None if 0.0 < value <= 1.0 else f"is the fraction of prompt tokens kept, in (0, 1]; got {value}"
+
+
+def _pool_size(value) -> str | None:
+    return None if value > 0 else f"is the host pool's size in GiB, > 0; got {value}"
+
+
+def policy_option_fields(name: str) -> dict[str, Field]:
+    """The options of policy ``name``, by field name."""
+    return {f.name: f for f in fields(POLICIES[name]) if is_option(f)}
+
+
+def policy_flags(name: str) -> dict[str, Field]:
+    """The options of policy ``name`` that a ``--kv-*`` flag sets, by flag name."""
+    return {flag_of(f): f for f in policy_option_fields(name).values() if flag_of(f) is not None}
+
+
+def flag_default(flag: str):
+    """The default of ``--kv-<flag>``: what every policy that takes it defaults to, or None."""
+    defaults = {f.default for name in POLICIES for fl, f in policy_flags(name).items() if fl == flag}
+    return defaults.pop() if len(defaults) == 1 else None
+
+
+def flag_takers(flag: str) -> list[str]:
+    return sorted(name for name in POLICIES if flag in policy_flags(name))
+
+
+def _misplaced(flag: str, policy: str) -> str:
+    """Why ``--kv-<flag>`` is refused with ``--kv-policy policy``. Flags named after their one policy
+    (``--kv-pod-*``) are named together."""
+    takers = flag_takers(flag)
+    own = f"{takers[0]}_"
+    if len(takers) == 1 and flag.startswith(own):
+        named = [f"--kv-{f.replace('_', '-')}" for f in policy_flags(takers[0]) if f.startswith(own)]
+        return f"{' and '.join(named)} apply to --kv-policy {takers[0]}, not {policy}"
+    return f"--kv-{flag.replace('_', '-')} applies to {', '.join(takers)}, not to --kv-policy {policy}"
+
+
+def check_flag(flag: str, value) -> None:
+    """Refuse a bad value of ``--kv-<flag>`` on its own (before the other options are known)."""
+    if flag == "policy":
+        return check_policy_name(value)
+    engine = {f.name: f for f in fields(KVPolicyConfig) if is_option(f)}
+    takers = [policy_flags(name)[flag] for name in flag_takers(flag)]
+    problem = check_value(flag, engine[flag] if flag in engine else takers[0], value)
+    if problem:
+        raise KVPolicyConfigError(problem)
+
+
+def _as_field_type(f: Field, value):
+    """A value as the field holds it (a JSON list back to a tuple)."""
+    return tuple(value) if isinstance(f.default, tuple) and value is not None else value
+
+
+@dataclass(frozen=True, init=False)
 class KVPolicyConfig:
-    """Options of ``--kv-*`` flags, carried to every process in ``additional_config``."""
+    """Options of ``--kv-*`` flags, carried to every process in ``additional_config``.
+
+    The engine's own options are fields here; the policy's are in ``options``, by the policy's field
+    names, only those given (the policy's dataclass holds their defaults and help).
+    """
 
     policy: str = "none"
-    budget: int | None = None
-    ratio: float | None = None
-    window: int = 32
-    pool_kernel: int | None = None  # None: the policy's own default
-    sink_tokens: int | None = None  # None: the policy's own default
-    recent_tokens: int | None = None
-    merge: bool = True
-    alpha: float = 0.5
-    mix: float = 0.5
-    combine: str = "union"
-    filter_layers: tuple[int, ...] = OMNIKV_FILTER_LAYERS
-    dense_layers: int = OMNIKV_DENSE_LAYERS
-    offload: float | None = None
-    pod_tau: float | None = None
-    pod_groups: str | None = None
-    reserve_growth: bool = True
-    tp_allocation: str = "exact"
-    page_pool: str | None = None  # None: the platform's (one pool for every layer on CPU, one per layer on CUDA)
+    budget: int | None = option(
+        None, "tokens kept per KV head after the prompt; must be at most --max-model-len", check=_budget
+    )
+    ratio: float | None = option(None, "fraction of prompt tokens kept, instead of a budget", check=_ratio)
+    page_pool: str | None = option(
+        None,
+        "relocating policies: model (the CPU default) pools a request's pages over every layer of its blocks, so a "
+        "layer that keeps more borrows the others' pages; layer packs each layer into its own part of the blocks "
+        "(the only choice on CUDA, where model is refused)",
+        check=one_of("model", "layer"),
+    )
+    offload: float | None = option(
+        None,
+        "omnikv: the sparse layers' KV lives in a separate host pool of this many GiB; vLLM's pool keeps the "
+        "full-attention layers and what each step loads, and the request hands the rest of its blocks back",
+        check=_pool_size,
+    )
+    reserve_growth: bool = option(
+        True,
+        "admit a request only if the blocks compressed requests will still grow by (up to their max_tokens) stay "
+        "free besides, so they are not preempted (false: vLLM's admission by prompt)",
+    )
+    tp_allocation: str = option(
+        "exact",
+        "with --tensor-parallel-size: exact (Ada-KV's layer-wide allocation over every rank's heads, gathered: "
+        "the kept tokens of one GPU) or rank (each rank allocates over its own heads, no collective)",
+        check=one_of("exact", "rank"),
+    )
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     ADDITIONAL_CONFIG_KEY = "kv_policy"
 
-    def __post_init__(self) -> None:
-        check_policy_name(self.policy)
-        object.__setattr__(self, "filter_layers", tuple(self.filter_layers))  # a list after JSON
-        if self.budget is not None and self.budget <= 0:
-            raise KVPolicyConfigError(f"--kv-budget must be a positive number of tokens per KV head, got {self.budget}")
-        if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
-            raise KVPolicyConfigError(f"--kv-ratio is the fraction of prompt tokens kept, in (0, 1]; got {self.ratio}")
+    def __init__(self, policy: str = "none", options: Mapping[str, Any] | None = None, **values) -> None:
+        """``values``: the engine's options by field name, and the policy's by ``--kv-*`` name
+        (``window=64``, ``pod_tau=0.7``) as the CLI and ``LLM(kv_*=...)`` give them; ``options``: the
+        policy's by field name. A policy's option another policy takes is dropped, or refused when strict."""
+        check_policy_name(policy)
+        object.__setattr__(self, "policy", policy)
+        for f in fields(self):
+            if is_option(f):
+                value = values.pop(f.name, f.default)
+                problem = check_value(f.name, f, value)
+                if problem:
+                    raise KVPolicyConfigError(problem)
+                object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "options", self._policy_options(dict(options or {}), values))
+        self._check()
+
+    def _policy_options(self, given: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+        """The policy's options by field name from ``given`` (by field name) and ``flags`` (by flag)."""
+        every_flag = {fl: f for name in POLICIES for fl, f in policy_flags(name).items()}
+        unknown = sorted(set(flags) - set(every_flag))
+        if unknown:
+            raise KVPolicyConfigError(f"unknown kv_policy options: {unknown}")
+        takes, by_flag = policy_option_fields(self.policy), policy_flags(self.policy)
+        for flag, value in flags.items():
+            f = by_flag.get(flag, every_flag[flag])
+            problem = check_value(flag, f, value)
+            if problem:
+                raise KVPolicyConfigError(problem)
+            if flag in by_flag and value is not None:
+                given[f.name] = value
+            elif f.metadata["strict"] and value is not None and value != flag_default(flag):
+                raise KVPolicyConfigError(_misplaced(flag, self.policy))
+        for name, value in given.items():
+            if name not in takes:
+                raise KVPolicyConfigError(f"--kv-policy {self.policy} has no option {name!r}")
+            problem = check_value(flag_of(takes[name]) or name, takes[name], value)
+            if problem:
+                raise KVPolicyConfigError(problem)
+        return {name: _as_field_type(takes[name], value) for name, value in given.items()}
+
+    def _check(self) -> None:
+        """What no single option says: combinations."""
         if self.budget is not None and self.ratio is not None:
             raise KVPolicyConfigError("give --kv-budget or --kv-ratio, not both")
-        if self.window <= 0:
-            raise KVPolicyConfigError(f"--kv-window must be positive, got {self.window}")
-        if self.pool_kernel is not None and (self.pool_kernel <= 0 or self.pool_kernel % 2 == 0):
-            raise KVPolicyConfigError(f"--kv-pool-kernel must be a positive odd number, got {self.pool_kernel}")
-        if (self.sink_tokens or 0) < 0 or (self.recent_tokens or 0) < 0:
-            raise KVPolicyConfigError("--kv-sink-tokens and --kv-recent-tokens must be >= 0")
-        if not self.filter_layers or sorted(set(self.filter_layers)) != list(self.filter_layers):
-            raise KVPolicyConfigError(
-                f"--kv-filter-layers must be distinct layer indices in increasing order, got {self.filter_layers}"
-            )
-        if self.dense_layers < 0:
-            raise KVPolicyConfigError(f"--kv-dense-layers must be >= 0, got {self.dense_layers}")
         policy = POLICIES[self.policy]
-        if self.offload is not None:
-            if policy.mode is not Mode.SELECT:
-                raise KVPolicyConfigError(f"--kv-offload applies to --kv-policy omnikv, not {self.policy}")
-            if self.offload <= 0:
-                raise KVPolicyConfigError(f"--kv-offload is the host pool's size in GiB, > 0; got {self.offload}")
-        if (self.pod_tau is not None or self.pod_groups is not None) and policy.mode is not Mode.SHARE:
-            raise KVPolicyConfigError(f"--kv-pod-tau and --kv-pod-groups apply to --kv-policy pod, not {self.policy}")
-        if self.pod_tau is not None and not 0.0 <= self.pod_tau <= 1.0:
-            raise KVPolicyConfigError(f"--kv-pod-tau is a gate threshold in [0, 1], got {self.pod_tau}")
-        if self.pod_groups is not None and not Path(self.pod_groups).is_file():
-            raise KVPolicyConfigError(
-                f"--kv-pod-groups {self.pod_groups}: no such file; make one with `python -m kvpolicy.calibrate_pod --model MODEL --out PATH`"
-            )
-        for name in ("alpha", "mix"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise KVPolicyConfigError(f"--kv-{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.combine not in ("blend", "union"):
-            raise KVPolicyConfigError(f"--kv-combine is blend or union, got {self.combine!r}")
-        if self.tp_allocation not in ("exact", "rank"):
-            raise KVPolicyConfigError(f"--kv-tp-allocation is exact or rank, got {self.tp_allocation!r}")
-        if self.page_pool not in (None, "model", "layer"):
-            raise KVPolicyConfigError(f"--kv-page-pool is model or layer, got {self.page_pool!r}")
+        if self.offload is not None and policy.mode is not Mode.SELECT:
+            raise KVPolicyConfigError(f"--kv-offload applies to --kv-policy omnikv, not {self.policy}")
         if self.page_pool is not None and policy.mode is not Mode.RELOCATE:
             raise KVPolicyConfigError(
                 f"--kv-page-pool applies to policies that relocate pages per layer, not to --kv-policy {self.policy}"
             )
-        defaults = KVPolicyConfig.__dataclass_fields__
-        for name in ("merge", "alpha", "mix", "combine"):
-            if getattr(self, name) != defaults[name].default and name not in {f.name for f in fields(policy)}:
-                takers = sorted(p for p, cls in POLICIES.items() if name in {f.name for f in fields(cls)})
-                raise KVPolicyConfigError(
-                    f"--kv-{name} applies to {', '.join(takers)}, not to --kv-policy {self.policy}"
-                )
         if policy.needs_budget and self.budget is None and self.ratio is None:
             raise KVPolicyConfigError(f"--kv-policy {self.policy} needs --kv-budget or --kv-ratio")
-        if policy.needs_window and self.budget is not None and self.budget <= self.window:
+        window = self.observation_window
+        if window is not None and self.budget is not None and self.budget <= window:
             raise KVPolicyConfigError(
                 f"--kv-budget {self.budget} must be larger than the observation window "
-                f"--kv-window {self.window}, which {self.policy} always keeps"
+                f"--kv-window {window}, which {self.policy} always keeps"
             )
+
+    @functools.cached_property
+    def selected(self) -> Policy:
+        """The policy these options make (made once)."""
+        return self.make_policy()
+
+    @property
+    def observation_window(self) -> int | None:
+        """The window a window-scored policy always keeps (``--kv-window``); None for other policies."""
+        return self.selected.window if self.selected.inputs.window else None
+
+    def for_policy(self, name: str) -> KVPolicyConfig:
+        """These options for policy ``name`` (a request's ``kv_policy``): the engine's, and the policy
+        options ``name`` takes."""
+        takes = policy_option_fields(name)
+        engine = {f.name: getattr(self, f.name) for f in fields(self) if is_option(f)}
+        return KVPolicyConfig(name, {k: v for k, v in self.options.items() if k in takes}, **engine)
+
+    def flags(self) -> dict[str, Any]:
+        """Every ``--kv-*`` value these options stand for, by flag name, defaults included."""
+        engine = {f.name: getattr(self, f.name) for f in fields(self) if is_option(f)}
+        policy = {flag: getattr(self.selected, f.name) for flag, f in policy_flags(self.policy).items()}
+        return {"policy": self.policy, **engine, **policy}
 
     @property
     def compresses(self) -> bool:
@@ -155,15 +247,15 @@ class KVPolicyConfig:
             budget = max(1, round(self.ratio * prompt_len))
         else:
             return None
-        if POLICIES[self.policy].needs_window:
-            budget = max(budget, self.window + 1)
+        if self.observation_window is not None:
+            budget = max(budget, self.observation_window + 1)
         return budget if budget < prompt_len else None
 
     def request_policies(self) -> list[str]:
         """What a request's ``kv_policy`` may name on this server: ``none`` (it stays on vLLM's stock
         path) and the server's policy family (policies that differ only in which tokens they keep)."""
-        family = POLICIES[self.policy].family_name()
-        same = sorted(name for name, cls in POLICIES.items() if cls.family_name() == family and name != "none")
+        family = POLICIES[self.policy].family()
+        same = sorted(name for name, cls in POLICIES.items() if cls.family() == family and name != "none")
         return ["none", *same]
 
     def check_request_options(self, extra_args: dict, max_model_len: int) -> dict:
@@ -200,22 +292,20 @@ class KVPolicyConfig:
             raise KVPolicyConfigError(f"kv_budget must be a positive integer number of tokens, got {value!r}")
         if value > max_model_len:
             raise KVPolicyConfigError(f"kv_budget {value} is larger than the context limit {max_model_len}")
-        if POLICIES[self.policy].evicts_while_reading and self.budget is not None and value > self.budget:
+        if POLICIES[self.policy].schedule.per_chunk and self.budget is not None and value > self.budget:
             raise KVPolicyConfigError(
                 f"kv_budget {value} is larger than --kv-budget {self.budget}, which sized the KV pool "
                 f"for {self.policy} requests; ask for at most {self.budget}"
             )
-        if POLICIES[self.policy].needs_window and value <= self.window:
+        if self.observation_window is not None and value <= self.observation_window:
             raise KVPolicyConfigError(
-                f"kv_budget {value} must be larger than the observation window ({self.window} tokens)"
+                f"kv_budget {value} must be larger than the observation window ({self.observation_window} tokens)"
             )
         return value
 
-    def make_policy(self):
-        """The policy with these options; options left unset (None) keep the policy's own defaults."""
-        options = {name: value for name, value in self.to_dict().items() if value is not None}
-        options.update(tau=self.pod_tau, groups=self.pod_groups)
-        return make_policy(self.policy, **options)
+    def make_policy(self) -> Policy:
+        """The policy with these options; options not given keep the policy's own defaults."""
+        return make_policy(self.policy, **self.options)
 
     def check_model_len(self, max_model_len: int) -> None:
         if self.budget is not None and self.budget > max_model_len:
@@ -225,7 +315,9 @@ class KVPolicyConfig:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {
+            f.name: dict(getattr(self, f.name)) if f.name == "options" else getattr(self, f.name) for f in fields(self)
+        }
 
     @classmethod
     def from_dict(cls, values: dict | None) -> KVPolicyConfig:

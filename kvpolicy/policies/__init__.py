@@ -1,9 +1,18 @@
-"""Policies: pure functions from one layer's prompt KV to kept indices. No vLLM here."""
+"""Policies: what each KV head keeps of a layer (or how the engine otherwise runs it), by name. No vLLM here."""
 
 from dataclasses import fields
 
 from kvpolicy.policies.adamix import AdaMix
-from kvpolicy.policies.base import CompressedKV, HeadGroup, Mode, Policy, PromptKV
+from kvpolicy.policies.base import (
+    CompressedKV,
+    HeadGroup,
+    Inputs,
+    Mode,
+    Policy,
+    PromptKV,
+    RelocatingPolicy,
+    Schedule,
+)
 from kvpolicy.policies.d2o import D2O
 from kvpolicy.policies.h2o import H2O
 from kvpolicy.policies.keydiff import KeyDiff
@@ -39,4 +48,15 @@ def make_policy(name: str, **options) -> Policy:
     return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
 
 
-__all__ = ["POLICIES", "CompressedKV", "HeadGroup", "Mode", "Policy", "PromptKV", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "CompressedKV",
+    "HeadGroup",
+    "Inputs",
+    "Mode",
+    "Policy",
+    "PromptKV",
+    "RelocatingPolicy",
+    "Schedule",
+    "make_policy",
+]

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.policies.base import PromptKV
+from kvpolicy.policies.compose import compose
 from kvpolicy.policies.keydiff import keydiff_scores
-from kvpolicy.policies.snapkv import AdaSnapKV, window_scores
+from kvpolicy.policies.options import one_of, option, unit_interval
+from kvpolicy.policies.snapkv import AdaKV, ObservationWindow, window_scores
 
 
 def layer_ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -48,16 +50,20 @@ def layer_ranks(scores: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class AdaMix(AdaSnapKV):
-    """Ada-SnapKV whose token scores combine window and KeyDiff ranks: a blend (``mix`` the KeyDiff share) or
-    their union."""
+class MixedScores(ObservationWindow):
+    """The observation window's and KeyDiff's layer-wide ranks, combined: their union (a token's better
+    rank) or a blend (``mix`` the KeyDiff share)."""
 
-    name = "adamix"
-    pool_kernel: int = 15
-    mix: float = 0.5
-    combine: str = "union"
+    mix: float = option(
+        0.5, "KeyDiff's share of the blended scores (0: the window's, 1: KeyDiff's)", check=unit_interval
+    )
+    combine: str = option(
+        "union",
+        "union (a token's better rank of the two: kept if either score keeps it) or blend (the ranks weighted by --kv-mix)",
+        check=one_of("blend", "union"),
+    )
 
-    def scores(self, prompt: PromptKV) -> torch.Tensor:
+    def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
         window = window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
         if self.combine == "blend" and self.mix == 0:
             return window
@@ -67,3 +73,13 @@ class AdaMix(AdaSnapKV):
         if self.combine == "union":
             return prompt.local(torch.maximum(layer_ranks(window), prefix))
         return prompt.local((1 - self.mix) * layer_ranks(window) + self.mix * prefix)
+
+
+AdaMix = compose(
+    "adamix",
+    MixedScores(pool_kernel=15),
+    heads=AdaKV(),
+    class_name="AdaMix",
+    module=__name__,
+    doc="Ada-Mix: Ada-KV's allocation over the window's and KeyDiff's ranks combined.",
+)

@@ -109,63 +109,77 @@ class Mode(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Policy:
-    """A compression policy: which prompt tokens each KV head keeps.
+class Inputs:
+    """What the engine hands a relocating policy besides a layer's keys and values.
 
-    ``mode``: how the engine runs it (``Mode``). ``needs_window``: the backend
-    must hand over the last ``window`` prompt queries. ``needs_queries``: it
-    must hand over every prompt query, or the column sums of their attention
-    (``PromptKV.column_sums``), and the values.
-    ``budgets_across_layers``: a layer's budget depends on what every layer
-    observed (``observe`` then ``layer_budgets``), so the engine compresses a
-    prompt only after its last layer has run. ``evicts_while_reading``: the
-    policy is applied again at every prompt chunk (to the tokens kept so far
-    plus the chunk). ``evicts_in_decode``: it is applied again whenever a
-    page's worth of generated tokens is over budget, so a request never holds
-    much more than its budget; such policies keep the same count in every
-    head of a layer. ``accumulates_attention``: in decode, each new token's
-    attention weights over the cache are added to the cached tokens'
-    ``scores`` (the backend computes them beside the fused kernel).
-    ``family``: policies that
-    differ only in which tokens ``compress`` keeps (same flags, same inputs), so
-    one server can serve any of them per request; by default its own name.
+    ``window``: the last prompt queries (the policy's ``window`` of them; fewer when a prefix-cache hit
+    reached into them). ``attention``: the causal attention column sums of every prompt query (or the
+    queries themselves, where the backend cannot sum them), and in decode each new token's attention
+    weights over the cache, added to the scores the policy carried (``PromptKV.scores``).
+    """
+
+    window: bool = False
+    attention: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the engine applies a relocating policy; once, at the end of the prompt, unless told more.
+
+    ``per_chunk``: again at every prompt chunk, to the tokens kept so far plus the chunk.
+    ``in_decode``: again whenever a page's worth of generated tokens is over budget (every head of a
+    layer then keeps the same count). ``across_layers``: a layer's budget depends on what every layer
+    observed (``observe``, then ``layer_budgets``), so the prompt is compressed after its last layer ran.
+    """
+
+    per_chunk: bool = False
+    in_decode: bool = False
+    across_layers: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A compression policy. Its dataclass fields are its options (``kvpolicy.policies.options``).
+
+    ``mode``: how the engine runs it. ``needs_budget``: a request is given a budget (``--kv-budget``,
+    ``--kv-ratio`` or its own ``kv_budget``). ``inputs`` and ``schedule``: what the per-head path hands
+    it and when it applies it; nothing and never but for relocating policies.
     """
 
     name: ClassVar[str]
     mode: ClassVar[Mode]
-    needs_window: ClassVar[bool] = False
-    needs_queries: ClassVar[bool] = False
     needs_budget: ClassVar[bool] = True
-    budgets_across_layers: ClassVar[bool] = False
-    evicts_while_reading: ClassVar[bool] = False
-    evicts_in_decode: ClassVar[bool] = False
-    accumulates_attention: ClassVar[bool] = False
-    family: ClassVar[str | None] = None
+    inputs: ClassVar[Inputs] = Inputs()
+    schedule: ClassVar[Schedule] = Schedule()
 
     @classmethod
-    def family_name(cls) -> str:
-        return cls.family or cls.name
-
-    def layer_token_bound(self, budget: int | None, prompt_len: int, num_heads: int) -> int:
-        """The most (token, head) entries one layer keeps of a prompt: ``budget`` per head on average,
-        and one more per head for rounding. Policies that move budget across layers say more."""
-        kept = prompt_len if budget is None else min(budget + 1, prompt_len)
-        return num_heads * kept
+    def family(cls) -> tuple:
+        """Policies with the same family read the same inputs on the same schedule, so one server can
+        serve any of them per request (``kv_policy``); they differ only in which tokens they keep."""
+        return cls.mode, cls.needs_budget, cls.inputs, cls.schedule
 
     @classmethod
     def reads_prefix_cache(cls) -> bool:
         """Whether a prompt may start from prefix-cache hits. Not when every prompt query is scored
         (H2O, D2O: a hit skips computing some), nor when the prompt is evicted chunk by chunk
         (KeyDiff: what it keeps depends on where its chunks end, and a hit moves them)."""
-        return not (cls.needs_queries or cls.evicts_while_reading)
+        return not (cls.inputs.attention or cls.schedule.per_chunk)
 
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        """Kept token indices per KV head, ascending, int64; ``budget`` tokens per head on average."""
+
+@dataclass(frozen=True)
+class RelocatingPolicy(Policy):
+    """A policy the engine runs by relocation: which prompt tokens each KV head keeps (``compress``)."""
+
+    mode = Mode.RELOCATE
+
+    def compress(self, prompt: PromptKV, budget: int | None, observation: Any = None) -> CompressedKV:
+        """What one layer keeps of ``prompt`` with ``budget`` tokens per head on average; ``observation``
+        is this layer's ``observe`` when the schedule sets budgets across layers."""
         raise NotImplementedError
 
-    def compress(self, prompt: PromptKV, budget: int, observation: Any = None) -> CompressedKV:
-        """``keep``, for policies that do not rewrite K/V; ``observation`` is this layer's ``observe``."""
-        return CompressedKV(self.keep(prompt, budget))
+    def keep(self, prompt: PromptKV, budget: int | None) -> list[torch.Tensor]:
+        """Kept token indices per KV head, ascending, int64."""
+        return self.compress(prompt, budget).kept
 
     def observe(self, prompt: PromptKV) -> Any:
         """What ``layer_budgets`` needs of one layer, taken while its queries are at hand."""
@@ -174,6 +188,14 @@ class Policy:
     def layer_budgets(self, observations: list[Any], budget: int) -> list[int]:
         """Each layer's budget from every layer's ``observe``; by default ``budget`` everywhere."""
         return [budget] * len(observations)
+
+    def most_kept(self, budget: int) -> int:
+        """The most tokens a head of one layer keeps: ``budget`` on average, one more for rounding."""
+        return budget + 1
+
+    def layer_token_bound(self, budget: int | None, prompt_len: int, num_heads: int) -> int:
+        """The most (token, head) entries one layer keeps of a prompt."""
+        return num_heads * (prompt_len if budget is None else min(self.most_kept(budget), prompt_len))
 
     @staticmethod
     def keep_all(prompt: PromptKV) -> list[torch.Tensor]:

@@ -52,8 +52,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import CompressedKV, Mode, Policy, PromptKV
-from kvpolicy.policies.h2o import attention_column_sums, group_mean, heavy_hitters, prompt_column_sums
+from kvpolicy.policies.base import CompressedKV, PromptKV
+from kvpolicy.policies.compose import LayerAllocator, Rewrite, Split, compose
+from kvpolicy.policies.h2o import AccumulatedAttention, attention_column_sums
+from kvpolicy.policies.options import not_negative, option
 
 
 def prompt_attention_variance(keys: torch.Tensor, queries: torch.Tensor) -> float:
@@ -123,55 +125,62 @@ def _gather(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class D2O(Policy):
-    """D2O over a layer's prompt or its cache in decode; ``budget`` is the layer's, from ``layer_budgets``.
+class HeavyHittersWithSinks(AccumulatedAttention):
+    """D2O's eviction: sinks and a recent fraction of the budget kept, the rest to accumulated attention."""
 
-    ``merge=False`` (``--kv-merge false``) evicts without merging: the paper's
-    ablation of merging against pure eviction at the same budgets.
-    """
+    sink_tokens: int = option(4, "attention-sink tokens always kept", check=not_negative, strict=False)
+    recent_fraction: float = option(0.25, "D2O: the budget's share kept for the most recent tokens", flag=None)
 
-    name = "d2o"
-    mode = Mode.RELOCATE
-    needs_queries = True
-    budgets_across_layers = True
-    evicts_in_decode = True
-    accumulates_attention = True
-    sink_tokens: int = 4
-    recent_fraction: float = 0.25
-    beta: float = 0.7
-    merge: bool = True
+    def split(self, prompt: PromptKV, budget: int) -> Split:
+        recent = int(budget * self.recent_fraction)
+        sinks = min(self.sink_tokens, budget - recent)
+        return Split(sinks, recent, sinks + recent)
 
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        return self.compress(prompt, budget).kept
 
-    def observe(self, prompt: PromptKV) -> torch.Tensor:
-        """The layer's attention column sums, [q_heads, prompt_len]: its variance and its H2O scores."""
-        return prompt_column_sums(prompt)
+@dataclass(frozen=True)
+class InverseVarianceBudgets(LayerAllocator):
+    """D2O's layer budgets: the inverse-variance softmax of every layer's attention column sums."""
+
+    across_layers = True
 
     def layer_budgets(self, observations: list[torch.Tensor], budget: int) -> list[int]:
         return layer_budgets(torch.stack([column_sums_variance(sums) for sums in observations]), budget)
 
-    def compress(self, prompt: PromptKV, budget: int, observation: torch.Tensor | None = None) -> CompressedKV:
-        scores = prompt.scores
-        if scores is None:
-            scores = group_mean(self.observe(prompt) if observation is None else observation, prompt.num_heads)
-        if prompt.num_tokens <= budget:
-            return CompressedKV(self.keep_all(prompt), scores=scores, threshold=prompt.threshold)
-        recent = int(budget * self.recent_fraction)
-        sinks = min(self.sink_tokens, budget - recent)
-        kept = heavy_hitters(scores, budget, recent, sinks)
-        kept_scores = scores.gather(1, kept)
+
+@dataclass(frozen=True)
+class MergeEvicted(Rewrite):
+    """D2O's merge: each evicted token into its nearest kept key when similar enough (an EMA threshold)."""
+
+    beta: float = option(0.7, "D2O: the EMA weight of this eviction's similarities in the threshold", flag=None)
+    merge: bool = option(True, "merge evicted tokens into their nearest kept ones (false: evict only)")
+
+    def apply(self, prompt: PromptKV, kept: list[torch.Tensor], scores: torch.Tensor | None) -> CompressedKV:
         if not self.merge:
-            return CompressedKV(list(kept.unbind(0)), scores=kept_scores)
+            return CompressedKV(kept, scores=scores)
+        chosen = torch.stack(kept)
         # Every head drops the same count: its positions, ascending, without a boolean mask (a host sync).
-        dropped = torch.ones_like(scores, dtype=torch.uint8).scatter(1, kept, 0)
-        evicted = dropped.argsort(dim=-1, descending=True, stable=True)[:, : scores.shape[1] - kept.shape[1]]
+        dropped = torch.ones(prompt.num_heads, prompt.num_tokens, dtype=torch.uint8, device=chosen.device)
+        dropped = dropped.scatter(1, chosen, 0)
+        evicted = dropped.argsort(dim=-1, descending=True, stable=True)[:, : prompt.num_tokens - chosen.shape[1]]
         keys, values, threshold = merge_evicted(
-            _gather(prompt.keys, kept),
-            _gather(prompt.values, kept),
+            _gather(prompt.keys, chosen),
+            _gather(prompt.values, chosen),
             _gather(prompt.keys, evicted),
             _gather(prompt.values, evicted),
             prompt.threshold,
             self.beta,
         )
-        return CompressedKV(list(kept.unbind(0)), keys, values, kept_scores, threshold)
+        return CompressedKV(kept, keys, values, scores, threshold)
+
+
+D2O = compose(
+    "d2o",
+    HeavyHittersWithSinks(),
+    layers=InverseVarianceBudgets(),
+    rewrite=MergeEvicted(),
+    in_decode=True,
+    class_name="D2O",
+    module=__name__,
+    doc="D2O: layer budgets from attention variance, H2O eviction with sinks, evicted tokens merged back "
+    "(``merge=False``, ``--kv-merge false``: the paper's ablation, eviction alone).",
+)

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.policies.base import CompressedKV, Mode, Policy, PromptKV
+from kvpolicy.policies.base import Inputs, PromptKV
+from kvpolicy.policies.compose import Scorer, Split, compose
+from kvpolicy.policies.options import not_negative, option
 
 
 def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -95,35 +97,40 @@ def add_new_token(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.cat([scores, fresh], dim=1) + weights
 
 
-def heavy_hitters(scores: torch.Tensor, budget: int, recent: int, sinks: int = 0) -> torch.Tensor:
-    """Kept positions per head, [kv_heads, budget], ascending: first ``sinks``, last ``recent``, best scores between."""
-    heads, length = scores.shape
-    ranked = scores[:, sinks : length - recent].argsort(dim=-1, descending=True, stable=True)
-    best = ranked[:, : budget - recent - sinks] + sinks
-    positions = torch.arange(length, device=scores.device)
-    fixed = torch.cat([positions[:sinks], positions[length - recent :]]).expand(heads, -1)
-    return torch.cat([best, fixed], dim=1).sort(dim=-1).values
+@dataclass(frozen=True)
+class AccumulatedAttention(Scorer):
+    """A token's score: the attention every query gave it, the prompt's (its column sums, the GQA group
+    averaged) and, carried into decode, each generated token's."""
+
+    reads = Inputs(attention=True)
+    carries_scores = True
+
+    def observe(self, prompt: PromptKV) -> torch.Tensor:
+        """The layer's attention column sums, [q_heads, prompt_len]."""
+        return prompt_column_sums(prompt)
+
+    def scores(self, prompt: PromptKV, observation: torch.Tensor | None = None) -> torch.Tensor:
+        if prompt.scores is not None:
+            return prompt.scores
+        return group_mean(self.observe(prompt) if observation is None else observation, prompt.num_heads)
 
 
 @dataclass(frozen=True)
-class H2O(Policy):
-    """Heavy hitters by accumulated attention (the prompt's, then each generated token's), plus the recent tokens."""
+class HeavyHitters(AccumulatedAttention):
+    """H2O: the most recent tokens kept, the rest of the budget to the best accumulated attention."""
 
-    name = "h2o"
-    mode = Mode.RELOCATE
-    needs_queries = True
-    evicts_in_decode = True
-    accumulates_attention = True
-    recent_tokens: int = 64
+    recent_tokens: int = option(64, "most recent tokens always kept", check=not_negative, strict=False)
 
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        return self.compress(prompt, budget).kept
+    def split(self, prompt: PromptKV, budget: int) -> Split:
+        recent = min(self.recent_tokens, budget)
+        return Split(0, recent, recent)
 
-    def compress(self, prompt: PromptKV, budget: int, observation=None) -> CompressedKV:
-        scores = prompt.scores
-        if scores is None:
-            scores = group_mean(prompt_column_sums(prompt), prompt.num_heads)
-        if prompt.num_tokens <= budget:
-            return CompressedKV(self.keep_all(prompt), scores=scores)
-        kept = heavy_hitters(scores, budget, min(self.recent_tokens, budget))
-        return CompressedKV(list(kept.unbind(0)), scores=scores.gather(1, kept))
+
+H2O = compose(
+    "h2o",
+    HeavyHitters(),
+    in_decode=True,
+    class_name="H2O",
+    module=__name__,
+    doc="H2O: heavy hitters by accumulated attention (the prompt's, then each generated token's) and the recent tokens.",
+)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import Mode, Policy, PromptKV
+from kvpolicy.policies.base import PromptKV
+from kvpolicy.policies.compose import Scorer, compose
 
 
 def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
@@ -52,16 +53,19 @@ def keydiff_block_step(cached_keys: torch.Tensor, block_keys: torch.Tensor, budg
 
 
 @dataclass(frozen=True)
-class KeyDiff(Policy):
-    """KeyDiff over whatever the cache holds: the engine applies it at every prompt chunk and as decode fills pages."""
+class KeyDiffScores(Scorer):
+    """``-cos(key, anchor)`` over whatever the layer holds: no attention needed, nothing kept unscored."""
 
-    name = "keydiff"
-    mode = Mode.RELOCATE
-    evicts_while_reading = True
-    evicts_in_decode = True
+    def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
+        return keydiff_scores(prompt.keys)
 
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        if prompt.num_tokens <= budget:
-            return self.keep_all(prompt)
-        empty = prompt.keys[:, :0]
-        return list(keydiff_block_step(empty, prompt.keys, budget).unbind(0))
+
+KeyDiff = compose(
+    "keydiff",
+    KeyDiffScores(),
+    per_chunk=True,
+    in_decode=True,
+    class_name="KeyDiff",
+    module=__name__,
+    doc="KeyDiff over whatever the cache holds: applied at every prompt chunk and as decode fills pages.",
+)

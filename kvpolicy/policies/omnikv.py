@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.policies.base import Mode, Policy
+from kvpolicy.policies.options import increasing_layers, not_negative, option
 
 SELECTORS = ("last", "uniform", "exponential")
 
@@ -106,8 +107,14 @@ class OmniKV(Policy):
 
     name = "omnikv"
     mode = Mode.SELECT
-    filter_layers: tuple[int, ...] = ()
-    dense_layers: int = 0
+    filter_layers: tuple[int, ...] = option(
+        (2, 9, 15),
+        "the layers that select the context of the layers after them, e.g. 2,8,18 (the default is calibrated "
+        "for SmolLM2-135M; `python -m kvpolicy.calibrate` proposes them for a model)",
+        check=increasing_layers,
+        strict=False,
+    )
+    dense_layers: int = option(2, "layers below this always attend to everything", check=not_negative, strict=False)
 
     def source_layers(self, num_layers: int) -> list[int | None]:
         """Per layer: the filter layer whose selection it attends to, or None for full attention."""

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvpolicy.policies.base import Mode, Policy, PromptKV
+from kvpolicy.policies.base import CompressedKV, Mode, Policy, PromptKV, RelocatingPolicy
 
 
 @dataclass(frozen=True)
@@ -17,17 +15,13 @@ class NoPolicy(Policy):
     mode = Mode.STOCK
     needs_budget = False
 
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        raise RuntimeError("policy 'none' never relocates a request")
-
 
 @dataclass(frozen=True)
-class IdentityPolicy(Policy):
+class IdentityPolicy(RelocatingPolicy):
     """``identity``: relocate every prompt into per-head pages, keeping every token."""
 
     name = "identity"
-    mode = Mode.RELOCATE
     needs_budget = False
 
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        return self.keep_all(prompt)
+    def compress(self, prompt: PromptKV, budget: int | None, observation=None) -> CompressedKV:
+        return CompressedKV(self.keep_all(prompt))

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from kvpolicy.policies.base import Mode, Policy, PromptKV
+from kvpolicy.policies.base import Mode, Policy
+from kvpolicy.policies.options import existing_grouping, gate_threshold, not_negative, option
 
 #: The grouping shipped for the default model (``python -m kvpolicy.calibrate_pod``).
 DEFAULT_GROUPS = Path(__file__).resolve().parent.parent / "data" / "pod_groups_smollm2.json"
@@ -175,10 +176,27 @@ class PoD(Policy):
     name = "pod"
     mode = Mode.SHARE
     needs_budget = False
-    sink_tokens: int = 16
-    recent_tokens: int = 1008
-    tau: float | None = None
-    groups: str | None = None
+    sink_tokens: int = option(16, "the proximal tokens at the start, the paper's n_s", check=not_negative, strict=False)
+    recent_tokens: int = option(
+        1008,
+        "the recent proximal tokens, n_r (1/8 of the default model's 8K context, as the paper's 4096 of 32K)",
+        check=not_negative,
+        strict=False,
+    )
+    tau: float | None = option(
+        None,
+        "a layer skips the distant tokens for a query head when the proximal share of eq. 4's gate is at least "
+        "this (the paper's 0.7 trades 5% quality for 25% of the distant compute; default: never)",
+        flag="pod_tau",
+        check=gate_threshold,
+    )
+    groups: str | None = option(
+        None,
+        "the layer blocks of `python -m kvpolicy.calibrate_pod --model MODEL --out PATH` (default: the ones "
+        "shipped for SmolLM2-135M; another model's shape is refused with that command)",
+        flag="pod_groups",
+        check=existing_grouping,
+    )
 
     def layer_groups(self) -> LayerGroups:
         return LayerGroups.load(self.groups or DEFAULT_GROUPS)
@@ -187,13 +205,6 @@ class PoD(Policy):
         """[start, end) of a prompt's distant tokens: between the sinks and the recent window (may be empty)."""
         start = min(self.sink_tokens, num_tokens)
         return start, max(start, num_tokens - self.recent_tokens)
-
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        """The tokens whose keys a layer that shares scores keeps: the proximal ones."""
-        start, end = self.distant_range(prompt.num_tokens)
-        device = prompt.keys.device
-        kept = torch.cat([torch.arange(start, device=device), torch.arange(end, prompt.num_tokens, device=device)])
-        return [kept for _ in range(prompt.num_heads)]
 
     def saved_fraction(self, groups: LayerGroups, num_tokens: int) -> float:
         """Share of a request's K+V bytes PoD frees at ``num_tokens``: the distant keys of the shared (layer, head) pairs."""

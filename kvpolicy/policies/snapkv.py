@@ -1,4 +1,5 @@
-"""Observation-window policies of the Ada-KV paper: SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid.
+"""Observation-window policies of the Ada-KV paper: SnapKV's scorer, Ada-KV's and PyramidKV's allocators, and
+SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid composed of them.
 
 Readings we chose where the paper's text leaves the formula out (its
 algorithm boxes did not survive extraction; the authors' code settles them):
@@ -33,7 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import Mode, Policy, PromptKV
+from kvpolicy.policies.base import Inputs, PromptKV
+from kvpolicy.policies.compose import HeadAllocator, LayerAllocator, Scorer, Split, compose
+from kvpolicy.policies.options import option, positive, positive_odd, unit_interval
 
 
 def window_scores(keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel: int) -> torch.Tensor:
@@ -80,78 +83,85 @@ def pyramid_capacity(capacity: int, prefix_len: int, layer: int, num_layers: int
     return round(high - layer * step)
 
 
-def _keep_top(scores: torch.Tensor, counts: list[int], length: int, window: int) -> list[torch.Tensor]:
-    """Each head keeps its ``counts[h]`` best prefix tokens and the whole window, ascending."""
-    ordered = scores.argsort(dim=-1, descending=True, stable=True)
-    recent = torch.arange(length - window, length, device=scores.device)
-    return [torch.cat([ordered[h, :n].sort().values, recent]) for h, n in enumerate(counts)]
-
-
 @dataclass(frozen=True)
-class SnapKV(Policy):
-    """Uniform per-head budget, top-k by observation-window score."""
+class ObservationWindow(Scorer):
+    """SnapKV's scorer: the last ``window`` prompt queries' attention over the prefix, max-pooled; the
+    window itself is always kept and takes ``window`` tokens of the budget."""
 
-    name = "snapkv"
-    family = "snapkv"
-    mode = Mode.RELOCATE
-    needs_window = True
-    window: int = 32
-    pool_kernel: int = 7
+    reads = Inputs(window=True)
+    window: int = option(
+        32, "observation window: the last prompt queries that score tokens, always kept", check=positive, strict=False
+    )
+    pool_kernel: int = option(7, "max-pooling kernel over token scores, odd", check=positive_odd, strict=False)
 
-    def scores(self, prompt: PromptKV) -> torch.Tensor:
-        """The prefix tokens' scores, [kv_heads, prompt_len - window]; higher is kept first."""
-        return window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
-
-    def capacities(self, prompt: PromptKV, budget: int, scores: torch.Tensor) -> list[int]:
-        return [budget - self.window] * prompt.num_heads
-
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        if prompt.num_tokens <= budget or budget <= self.window:
-            return self.keep_all(prompt)
-        scores = self.scores(prompt)
-        counts = self.capacities(prompt, budget, scores)
+    def split(self, prompt: PromptKV, budget: int) -> Split | None:
+        if budget <= self.window:
+            return None
         # Fewer window queries than ``window`` when a prefix-cache hit reached into the window
         # (the engine computed only the rest): the window is what was observed.
-        return _keep_top(scores, counts, prompt.num_tokens, prompt.window_queries.shape[1])
+        return Split(0, prompt.window_queries.shape[1], self.window)
+
+    def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
+        return window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
 
 
 @dataclass(frozen=True)
-class AdaSnapKV(SnapKV):
-    """Ada-SnapKV: the layer's budget spread over heads by a layer-wide top-k."""
+class AdaKV(HeadAllocator):
+    """Ada-KV: the layer's capacity over its heads by one top-k across them, with the alpha safeguard."""
 
-    name = "adasnap"
-    alpha: float = 0.5
+    alpha: float = option(
+        0.5,
+        "Ada-KV's safeguard: the share of the uniform per-head count every head keeps (1: the same count for every head)",
+        check=unit_interval,
+    )
 
-    def capacities(self, prompt, budget, scores):
-        return prompt.local(adaptive_counts(prompt.across_heads(scores), budget - self.window, self.alpha))
-
-
-@dataclass(frozen=True)
-class PyramidKV(SnapKV):
-    """PyramidKV: uniform over heads, decreasing with depth."""
-
-    name = "pyramid"
-    beta: int = 20
-
-    def layer_capacity(self, prompt: PromptKV, budget: int) -> int:
-        prefix = prompt.num_tokens - self.window
-        return pyramid_capacity(budget - self.window, prefix, prompt.layer, prompt.num_layers, self.beta)
-
-    def capacities(self, prompt, budget, scores):
-        return [self.layer_capacity(prompt, budget)] * prompt.num_heads
-
-    def layer_token_bound(self, budget, prompt_len, num_heads):
-        """The lowest layer keeps the most: under twice the mean capacity, plus the window."""
-        return num_heads * min(2 * budget + 1, prompt_len)
-
-
-@dataclass(frozen=True)
-class AdaPyramid(PyramidKV):
-    """Ada-Pyramid: pyramidal layer budgets, spread over heads as Ada-KV does."""
-
-    name = "adapyramid"
-    alpha: float = 0.5
-
-    def capacities(self, prompt, budget, scores):
-        capacity = self.layer_capacity(prompt, budget)
+    def counts(self, prompt: PromptKV, scores: torch.Tensor, capacity: int) -> list[int]:
         return prompt.local(adaptive_counts(prompt.across_heads(scores), capacity, self.alpha))
+
+
+@dataclass(frozen=True)
+class Pyramid(LayerAllocator):
+    """PyramidKV: capacity falling linearly with depth, its mean over layers the budget's."""
+
+    beta: int = option(20, "PyramidKV: the last layer keeps 1/beta of the mean capacity", flag=None)
+
+    def capacity(self, prompt: PromptKV, capacity: int, candidates: int) -> int:
+        return pyramid_capacity(capacity, candidates, prompt.layer, prompt.num_layers, self.beta)
+
+    def most_kept(self, budget: int) -> int:
+        """The lowest layer keeps the most: under twice the mean capacity, plus the window."""
+        return 2 * budget + 1
+
+
+SnapKV = compose(
+    "snapkv",
+    ObservationWindow(),
+    class_name="SnapKV",
+    module=__name__,
+    doc="SnapKV: top-k by observation-window score, the same count in every head.",
+)
+AdaSnapKV = compose(
+    "adasnap",
+    ObservationWindow(),
+    heads=AdaKV(),
+    class_name="AdaSnapKV",
+    module=__name__,
+    doc="Ada-SnapKV: Ada-KV's allocation over SnapKV's scores.",
+)
+PyramidKV = compose(
+    "pyramid",
+    ObservationWindow(),
+    layers=Pyramid(),
+    class_name="PyramidKV",
+    module=__name__,
+    doc="PyramidKV: SnapKV's scores, the same count in every head, capacities falling with depth.",
+)
+AdaPyramid = compose(
+    "adapyramid",
+    ObservationWindow(),
+    layers=Pyramid(),
+    heads=AdaKV(),
+    class_name="AdaPyramid",
+    module=__name__,
+    doc="Ada-Pyramid: PyramidKV's layer capacities, spread over heads as Ada-KV does.",
+)

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvpolicy.policies.base import Mode, Policy, PromptKV
+from kvpolicy.policies.base import PromptKV
+from kvpolicy.policies.compose import Scorer, Split, compose
+from kvpolicy.policies.options import not_negative, option
 
 
 @dataclass(frozen=True)
-class StreamingLLM(Policy):
-    """Keep the first ``sink_tokens`` and the last ``budget - sink_tokens`` tokens of every head."""
+class SinksAndRecent(Scorer):
+    """The first ``sink_tokens`` and the last ``budget - sink_tokens`` tokens of every head take the budget."""
 
-    name = "streaming"
-    mode = Mode.RELOCATE
-    sink_tokens: int = 4
+    sink_tokens: int = option(4, "attention-sink tokens always kept", check=not_negative, strict=False)
 
-    def keep(self, prompt: PromptKV, budget: int) -> list[torch.Tensor]:
-        if prompt.num_tokens <= budget:
-            return self.keep_all(prompt)
+    def split(self, prompt: PromptKV, budget: int) -> Split:
         sinks = min(self.sink_tokens, budget)
-        device = prompt.keys.device
-        recent = torch.arange(prompt.num_tokens - (budget - sinks), prompt.num_tokens, device=device)
-        kept = torch.cat([torch.arange(sinks, device=device), recent])
-        return [kept for _ in range(prompt.num_heads)]
+        return Split(sinks, budget - sinks, budget)
+
+
+StreamingLLM = compose(
+    "streaming",
+    SinksAndRecent(),
+    class_name="StreamingLLM",
+    module=__name__,
+    doc="StreamingLLM: sinks and the most recent tokens, the same in every head.",
+)

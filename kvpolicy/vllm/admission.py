@@ -26,7 +26,7 @@ SLACK_BLOCKS = 3
 def request_kv_bound(vllm_config) -> int | None:
     """Tokens one request can hold at most, when the policy bounds it below its length; else None."""
     config = stored_config(vllm_config.additional_config)
-    if config is None or config.budget is None or not POLICIES[config.policy].evicts_while_reading:
+    if config is None or config.budget is None or not POLICIES[config.policy].schedule.per_chunk:
         return None
     chunk = vllm_config.scheduler_config.max_num_batched_tokens
     return config.budget + chunk + SLACK_BLOCKS * vllm_config.cache_config.block_size

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-from dataclasses import fields
 
-from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_policy_name
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_flag
+from kvpolicy.flags import FLAGS
 from kvpolicy.policies import POLICIES, Mode
 from kvpolicy.vllm.connectors import compose, offloading_child
 from kvpolicy.vllm.internals import (
@@ -41,33 +41,18 @@ SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: kvpolicy's Triton kernels hold a head in one tile: head sizes up to this (CUDA).
 TRITON_MAX_HEAD_SIZE = 256
 
-#: kwarg / CLI dest -> KVPolicyConfig field
-OPTION_FIELDS = {f"kv_{f.name}": f.name for f in fields(KVPolicyConfig)}
+#: kwarg / CLI dest -> flag name
+OPTION_FIELDS = {f"kv_{flag.name}": flag.name for flag in FLAGS}
 _PATCHED = "_kvpolicy_patched"
 
 
-#: Options only one policy takes: a single value is judged as that policy's (the whole config is judged later).
-_OPTION_POLICY = {
-    "merge": {"policy": "d2o", "budget": 256},
-    "offload": {"policy": "omnikv", "budget": 256},
-    "alpha": {"policy": "adamix", "budget": 256},
-    "mix": {"policy": "adamix", "budget": 256},
-    "combine": {"policy": "adamix", "budget": 256},
-    "pod_tau": {"policy": "pod"},
-    "pod_groups": {"policy": "pod"},
-}
-
-
 def _option_type(name: str, convert):
-    """argparse ``type=``: convert, then let KVPolicyConfig judge the single value."""
+    """argparse ``type=``: convert, then judge the single value as its option's field does."""
 
     def parse(text: str):
         value = convert(text)
         try:
-            if name == "policy":
-                check_policy_name(value)
-            else:
-                KVPolicyConfig(**{name: value, **_OPTION_POLICY.get(name, {})})
+            check_flag(name, value)
         except KVPolicyConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return value
@@ -93,118 +78,21 @@ def _layer_list(text: str) -> tuple[int, ...]:
         ) from None
 
 
+_CONVERTERS = {"int": int, "float": float, "str": str, "bool": _boolean, "layers": _layer_list}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--kv-*`` flags, as ``kvpolicy.flags`` reads them from the options' fields."""
     group = parser.add_argument_group(
         ARG_GROUP, description="KV-cache compression inside vLLM's paged attention (kvpolicy)."
     )
-    defaults = KVPolicyConfig()
-    options = [
-        ("policy", str, None, f"compression policy, one of: {', '.join(sorted(POLICIES))}"),
-        ("budget", int, None, "tokens kept per KV head after the prompt"),
-        ("ratio", float, None, "fraction of prompt tokens kept (instead of --kv-budget)"),
-        ("window", int, defaults.window, "observation window: last prompt queries that score tokens"),
-        (
-            "pool_kernel",
-            int,
-            None,
-            "max-pooling kernel over token scores (default: 7, SnapKV's; adamix 15, which keeps a whole 7-digit number)",
-        ),
-        (
-            "sink_tokens",
-            int,
-            None,
-            "attention-sink tokens always kept (default: streaming, d2o 4; pod 16, the paper's n_s)",
-        ),
-        (
-            "recent_tokens",
-            int,
-            None,
-            "most recent tokens always kept (default: h2o 64; pod 1008, proximal = 1/8 of the default model's 8K "
-            "context as the paper's 4096 of 32K)",
-        ),
-        (
-            "merge",
-            _boolean,
-            defaults.merge,
-            "d2o: merge evicted tokens into their nearest kept ones (false: evict only)",
-        ),
-        (
-            "alpha",
-            float,
-            defaults.alpha,
-            "adasnap, adapyramid, adamix: Ada-KV's safeguard, the share of a head's capacity it always gets "
-            "(1: the same count for every head)",
-        ),
-        ("mix", float, defaults.mix, "adamix: KeyDiff's share of the blended scores (0: adasnap's, 1: KeyDiff's)"),
-        (
-            "combine",
-            str,
-            defaults.combine,
-            "adamix: blend (the two ranks weighted by --kv-mix) or union (a token's better rank: kept if either score keeps it)",
-        ),
-        (
-            "filter_layers",
-            _layer_list,
-            None,
-            "omnikv: layers that select the context of the layers after them, e.g. 2,8,18 "
-            f"(default {','.join(map(str, defaults.filter_layers))}: calibrated for SmolLM2-135M)",
-        ),
-        (
-            "dense_layers",
-            int,
-            None,
-            f"omnikv: layers below this always attend to everything (default {defaults.dense_layers})",
-        ),
-        (
-            "pod_tau",
-            float,
-            None,
-            "pod: skip a layer's distant tokens when the proximal share of its gate (eq. 4) is at least this "
-            "(the paper's 0.7 trades 5%% quality for 25%% of the distant compute; default: never skip)",
-        ),
-        (
-            "pod_groups",
-            str,
-            None,
-            "pod: the layer grouping JSON of `python -m kvpolicy.calibrate_pod` (default: the one shipped for SmolLM2-135M)",
-        ),
-        (
-            "reserve_growth",
-            _boolean,
-            defaults.reserve_growth,
-            "admit a request only if the blocks compressed requests will still grow by (up to their max_tokens) stay "
-            "free besides, so they are not preempted (false: vLLM's admission by prompt)",
-        ),
-        (
-            "tp_allocation",
-            str,
-            defaults.tp_allocation,
-            "with --tensor-parallel-size: exact (Ada-KV's layer-wide allocation over every rank's heads, gathered: "
-            "the kept tokens of one GPU) or rank (each rank allocates over its own heads, no collective)",
-        ),
-        (
-            "page_pool",
-            str,
-            None,
-            "where a compressed request's layers take pages: model (one pool over every layer of its blocks, so a "
-            "layer that keeps more borrows the others' pages; the CPU default) or layer (each layer within its own "
-            "part of the blocks; the CUDA default and only choice)",
-        ),
-        (
-            "offload",
-            float,
-            None,
-            "omnikv: keep the sparse layers' KV in a separate host pool of this many GiB; vLLM's pool keeps "
-            "the full-attention layers and the pages loaded for each step",
-        ),
-    ]
-    for name, convert, default, help_text in options:
+    for flag in FLAGS:
         group.add_argument(
-            f"--kv-{name.replace('_', '-')}",
-            type=_option_type(name, convert),
-            default=default,
-            metavar=name.upper(),
-            help=help_text,
+            flag.option,
+            type=_option_type(flag.name, _CONVERTERS[flag.kind]),
+            default=None,
+            metavar=flag.name.upper(),
+            help=flag.help.replace("%", "%%"),
         )
 
 
@@ -212,10 +100,7 @@ def config_from_options(options: dict) -> KVPolicyConfig | None:
     """A config from ``kv_*`` option values, or None when no policy was asked for."""
     given = {OPTION_FIELDS[k]: v for k, v in options.items() if k in OPTION_FIELDS and v is not None}
     if "policy" not in given:
-        defaults = KVPolicyConfig().to_dict()
-        stray = sorted(
-            f"--{k.replace('_', '-')}" for k, f in OPTION_FIELDS.items() if f in given and given[f] != defaults[f]
-        )
+        stray = sorted(flag.option for flag in FLAGS if flag.name in given and given[flag.name] != flag.default)
         if stray:
             raise KVPolicyConfigError(f"{', '.join(stray)} need --kv-policy")
         return None
@@ -251,7 +136,7 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
     if config.rewrites_blocks:
         if engine_args.speculative_config:
             raise KVPolicyConfigError(f"--kv-policy {config.policy} does not support speculative decoding")
-        if POLICIES[config.policy].evicts_while_reading:
+        if POLICIES[config.policy].schedule.per_chunk:
             engine_args.scheduler_reserve_full_isl = False  # admitted by what it holds (kvpolicy/vllm/admission.py)
     if config.changes_attention and engine_args.kv_cache_dtype not in ("auto", None):
         raise KVPolicyConfigError(f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype")
@@ -374,7 +259,7 @@ def _check_pod_groups(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
     num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     if (groups.num_layers, groups.num_heads) != (num_layers, num_kv_heads):
         raise KVPolicyConfigError(
-            f"the PoD layer grouping {config.pod_groups or 'shipped for SmolLM2-135M'} is for {groups.num_layers} layers x "
+            f"the PoD layer grouping {config.make_policy().groups or 'shipped for SmolLM2-135M'} is for {groups.num_layers} layers x "
             f"{groups.num_heads} KV heads, and {model_config.model} has {num_layers} x {num_kv_heads}; run "
             f"`python -m kvpolicy.calibrate_pod --model {model_config.model} --out PATH` and pass --kv-pod-groups PATH"
         )

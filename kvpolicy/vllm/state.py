@@ -6,7 +6,6 @@ The state of each request lives in the active mode (``kvpolicy/vllm/modes/``):
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -124,7 +123,7 @@ class WorkerState:
         if name is None or name == self.policy.name:
             return self.policy
         if name not in self.family:
-            self.family[name] = dataclasses.replace(self.config, policy=name).make_policy()
+            self.family[name] = self.config.for_policy(name).make_policy()
         return self.family[name]
 
     def writable_blocks(self, req_id: str, num_blocks: int) -> tuple[list[int], bool]:

@@ -99,7 +99,7 @@ def test_options_of_one_policy_parse_on_the_command_line(args, field, value):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     config = config_from_options(vars(parser.parse_args(args)))
-    assert getattr(config, field) == value
+    assert config.flags()[field] == value
 
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"

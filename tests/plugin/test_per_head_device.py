@@ -94,13 +94,13 @@ def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker,
     ops = MetaOps()
     path = PerHeadPath(ops)
     query = torch.empty(PROMPT, H * G, D, device=DEVICE)
-    window = torch.arange(PROMPT) if worker.policy.needs_queries else torch.arange(PROMPT - 8, PROMPT)
+    window = torch.arange(PROMPT) if worker.policy.inputs.attention else torch.arange(PROMPT - 8, PROMPT)
     prompt = RelocatingStep(relocations=[Relocation(REQ, worker.policy, pages, PROMPT, PROMPT, budget, window)])
     for layer in range(LAYERS):
         path.after_attention(None, layer, query, kv_cache, prompt)
     assert pages.lengths.mean() == (PROMPT if budget is None else BUDGET)  # pyramid: on average over layers
 
-    if worker.policy.evicts_in_decode:
+    if worker.policy.schedule.in_decode:
         for _ in range(DECODE):
             step = decode_step(pages)
             for layer in range(LAYERS):
@@ -110,10 +110,10 @@ def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker,
             path.after_attention(None, layer, query[:0], kv_cache, evict)
         assert (pages.lengths == BUDGET).all()
         for scores in worker.mode.requests[REQ].carried.scores:
-            assert scores is None if not worker.policy.accumulates_attention else scores.device == DEVICE
+            assert scores is None if not worker.policy.inputs.attention else scores.device == DEVICE
             assert scores is None or scores.shape == (H, BUDGET)
 
-    expected_moves = LAYERS * (2 if worker.policy.evicts_in_decode else 1)
+    expected_moves = LAYERS * (2 if worker.policy.schedule.in_decode else 1)
     assert len(ops.moves) == expected_moves
     for src, dst in ops.moves:
         assert src.device == DEVICE, "sources are picked where the cache is"

@@ -81,12 +81,11 @@ def as_lists(keep):
 
 
 def test_registry_has_keydiff_h2o_and_d2o():
-    assert POLICIES["keydiff"].mode is Mode.RELOCATE and not POLICIES["keydiff"].needs_window
+    assert POLICIES["keydiff"].mode is Mode.RELOCATE and not POLICIES["keydiff"].inputs.window
     assert POLICIES["h2o"] is H2O and POLICIES["d2o"] is D2O
-    assert D2O.budgets_across_layers and not H2O.budgets_across_layers
-    assert H2O.needs_queries and D2O.needs_queries and not POLICIES["keydiff"].needs_queries
-    assert all(POLICIES[name].evicts_in_decode for name in ("keydiff", "h2o", "d2o"))
-    assert H2O.accumulates_attention and D2O.accumulates_attention and not POLICIES["keydiff"].accumulates_attention
+    assert D2O.schedule.across_layers and not H2O.schedule.across_layers
+    assert H2O.inputs.attention and D2O.inputs.attention and not POLICIES["keydiff"].inputs.attention
+    assert all(POLICIES[name].schedule.in_decode for name in ("keydiff", "h2o", "d2o"))
 
 
 def test_keydiff_keeps_the_keys_least_like_the_anchor(prompt):

@@ -36,7 +36,6 @@ POLICY_OPTIONS = {
     "h2o": {"recent_tokens": 8},
     "d2o": {},
     "d2o-no-merge": {"merge": False},
-    "pod": {"sink_tokens": 4, "recent_tokens": 40},
 }
 
 

@@ -169,7 +169,7 @@ class Relocate(ModeState[RelocatedRequest]):
         pages.add_blocks(batch.block_table[row.index, len(pages.blocks) : shape.num_blocks(row.seq_len)].tolist())
         draft.per_head.append(PerHeadRow(row, pages))
         reading = row.start < row.prompt_len
-        evicts = self.policy.evicts_while_reading if reading else self.policy.evicts_in_decode
+        evicts = self.policy.schedule.per_chunk if reading else self.policy.schedule.in_decode
         if evicts and self._evicts_now(row, pages, reading, shape):
             done = reading and row.prompt_len <= row.seq_len
             self._relocate(draft, row, pages, prompt_done=done, length=None if reading and not done else row.seq_len)
@@ -181,7 +181,7 @@ class Relocate(ModeState[RelocatedRequest]):
         if budget is None and policy.needs_budget:
             return  # short prompt: stays on the stock path
         window_idx = self._window_tokens(row)
-        if shape.sums_prompts and policy.needs_queries and window_idx.numel() == row.query_len:
+        if shape.sums_prompts and policy.inputs.attention and window_idx.numel() == row.query_len:
             # A chunk of prompt tokens only: attended with its column sums, no queries to keep.
             heads = torch.arange(shape.num_kv_heads)
             positions = torch.arange(row.seq_len)
@@ -190,7 +190,7 @@ class Relocate(ModeState[RelocatedRequest]):
             draft.summed_rows.append(row.index)
             window_idx = window_idx[:0]
         reading = row.seq_len < row.request.num_tokens  # the prompt (after a preemption: prompt and output)
-        if reading and not (policy.evicts_while_reading and row.seq_len > budget):
+        if reading and not (policy.schedule.per_chunk and row.seq_len > budget):
             if window_idx.numel():
                 draft.step.window_stash.append(WindowStash(row.req_id, window_idx))
             return
@@ -248,10 +248,10 @@ class Relocate(ModeState[RelocatedRequest]):
         The observation window (the last ``window`` prompt tokens), or every
         prompt token for policies that accumulate attention over the prompt.
         """
-        if self.policy.needs_queries:
+        if self.policy.inputs.attention:
             window = row.prompt_len
-        elif self.policy.needs_window:
-            window = self.worker.config.window
+        elif self.policy.inputs.window:
+            window = self.policy.window
         else:
             return torch.zeros(0, dtype=torch.int64)
         window_start = max(row.prompt_len - window, row.start)

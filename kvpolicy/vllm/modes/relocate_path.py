@@ -68,7 +68,7 @@ class PerHeadPath:
         after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
             _mode().stash_window(stash.req_id, layer_idx, _rows(query, stash.token_idx))
-        if step.per_head is not None and WORKER_STATE.policy.accumulates_attention:
+        if step.per_head is not None and WORKER_STATE.policy.inputs.attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
             self._relocate(layer, layer_idx, query, kv_cache, step.relocations)
@@ -104,11 +104,11 @@ class PerHeadPath:
                 self._evict(layer, kv_cache, layer_idx, relocation)
                 continue
             queries = None
-            if policy.needs_window or policy.needs_queries:
+            if policy.inputs.window or policy.inputs.attention:
                 queries = _mode().take_window(relocation.req_id, layer_idx, _rows(query, relocation.window_idx))
             prompt, slots = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
             counts = relocation.num_tokens, relocation.num_computed
-            if not policy.budgets_across_layers:
+            if not policy.schedule.across_layers:
                 self._compact(layer, kv_cache, layer_idx, relocation, prompt, slots, relocation.budget, None, *counts)
                 continue
             observed = _mode().observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
@@ -157,7 +157,7 @@ class PerHeadPath:
         keys, values, slots = self._read(layer, kv_cache, layer_idx, relocation, *counts)
         policy = relocation.policy
         column_sums = None
-        if policy.accumulates_attention and queries is not None:
+        if policy.inputs.attention and queries is not None:
             # Summed chunks' sums cover the prompt's first positions; stashed queries, its last ones.
             column_sums = _mode().take_column_sums(relocation.req_id, layer_idx, keys.shape[1])
             if queries.shape[1]:
@@ -165,10 +165,10 @@ class PerHeadPath:
                 column_sums = from_queries if column_sums is None else column_sums + from_queries
         prompt = PromptKV(
             keys,
-            window_queries=queries if policy.needs_window else None,
+            window_queries=queries if policy.inputs.window else None,
             layer=layer_idx,
             num_layers=relocation.pages.num_layers,
-            queries=queries if policy.needs_queries else None,
+            queries=queries if policy.inputs.attention else None,
             values=values,
             column_sums=column_sums,
             heads=WORKER_STATE.head_group,
@@ -201,7 +201,7 @@ class PerHeadPath:
             rewritten = pages.current_slots(layer_idx, [torch.arange(chosen.numel()) for chosen in result.kept])
             keys, values = result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size)
             self.ops.scatter(layer, cache, rewritten, keys, values)
-        if policy.evicts_in_decode:
+        if policy.schedule.in_decode:
             carried = _mode().carried(relocation.req_id)
             carried.budgets[layer_idx] = budget
             if result.scores is not None:

@@ -1,0 +1,203 @@
+"""A token-selecting policy is a scorer and an allocator, composed.
+
+- A ``Scorer`` says which positions a head always keeps (``Split``: first sinks, last recent tokens) and
+  scores the others; it declares what it reads (``Inputs``).
+- A ``LayerAllocator`` turns the budget into this layer's capacity (``SameBudget``, PyramidKV's
+  depth-falling capacities, D2O's budgets from every layer's attention variance).
+- A ``HeadAllocator`` spreads the layer's capacity over its heads (``UniformHeads``, Ada-KV's layer-wide
+  top-k); each head keeps its best-scored tokens up to its count, and the split's positions.
+- A ``Rewrite`` changes the kept tokens' K/V after the choice (D2O merges the evicted ones into them).
+- The ``Schedule`` says when the engine applies the policy (at prompt end, per prompt chunk, in decode).
+
+``compose`` makes a policy class of them whose dataclass fields are its parts' options, so
+``compose("adasnap", ObservationWindow(), heads=AdaKV())`` is Ada-KV over SnapKV's scorer and takes
+``window``, ``pool_kernel`` and ``alpha``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, make_dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+
+from kvpolicy.policies.base import CompressedKV, Inputs, PromptKV, RelocatingPolicy, Schedule
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a head's budget splits: the first ``sinks`` and last ``recent`` positions are kept as they are;
+    ``reserved`` tokens of the budget are theirs (SnapKV reserves its whole window even when fewer window
+    queries were observed), and the rest is chosen by score among the positions between them."""
+
+    sinks: int
+    recent: int
+    reserved: int
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """Scores a layer's tokens per KV head, higher kept first. ``carries_scores``: the scores go on with
+    the kept tokens to the next compression (accumulated attention, which decode adds to)."""
+
+    reads: ClassVar[Inputs] = Inputs()
+    carries_scores: ClassVar[bool] = False
+
+    def split(self, prompt: PromptKV, budget: int) -> Split | None:
+        """The positions kept unscored; None when the budget leaves nothing to choose (keep the prompt)."""
+        return Split(0, 0, 0)
+
+    def scores(self, prompt: PromptKV, observation: Any = None) -> torch.Tensor:
+        """[kv_heads, n] float scores of positions ``0 .. n - 1``, n covering every position before the
+        split's recent ones."""
+        raise NotImplementedError
+
+    def observe(self, prompt: PromptKV) -> Any:
+        """What a layer allocator that budgets across layers needs of this layer (and ``scores`` reuses)."""
+        return None
+
+
+@dataclass(frozen=True)
+class LayerAllocator:
+    """The layer's share of the budget. ``across_layers``: it needs every layer's ``observe`` first."""
+
+    across_layers: ClassVar[bool] = False
+
+    def layer_budgets(self, observations: list[Any], budget: int) -> list[int]:
+        return [budget] * len(observations)
+
+    def capacity(self, prompt: PromptKV, capacity: int, candidates: int) -> int:
+        """This layer's tokens per head chosen by score, from the mean ``capacity`` over ``candidates``."""
+        return capacity
+
+    def most_kept(self, budget: int) -> int:
+        """The most tokens a head of one layer keeps: the budget, one more for rounding."""
+        return budget + 1
+
+
+@dataclass(frozen=True)
+class SameBudget(LayerAllocator):
+    """Every layer keeps the budget it is given."""
+
+
+@dataclass(frozen=True)
+class HeadAllocator:
+    """How many scored tokens each head keeps of the layer's capacity."""
+
+    def counts(self, prompt: PromptKV, scores: torch.Tensor, capacity: int) -> list[int]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class UniformHeads(HeadAllocator):
+    """Every head keeps the same count."""
+
+    def counts(self, prompt: PromptKV, scores: torch.Tensor, capacity: int) -> list[int]:
+        return [capacity] * prompt.num_heads
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """Changes the kept tokens' K/V once they are chosen."""
+
+    def apply(self, prompt: PromptKV, kept: list[torch.Tensor], scores: torch.Tensor | None) -> CompressedKV:
+        raise NotImplementedError
+
+
+def keep_best(scores: torch.Tensor, counts: list[int], split: Split, length: int) -> list[torch.Tensor]:
+    """Each head's ``counts[h]`` best-scored positions (ties to the earlier one) and the split's, ascending.
+
+    ``scores``: [kv_heads, candidates], the positions between the split's sinks and recent tokens."""
+    positions = torch.arange(length, device=scores.device)
+    fixed = torch.cat([positions[: split.sinks], positions[length - split.recent :]])
+    ranked = scores.argsort(dim=-1, descending=True, stable=True)
+    if len(set(counts)) == 1:
+        best = ranked[:, : counts[0]] + split.sinks
+        return list(torch.cat([best, fixed.expand(len(counts), -1)], dim=1).sort(dim=-1).values.unbind(0))
+    return [torch.cat([ranked[h, :n] + split.sinks, fixed]).sort().values for h, n in enumerate(counts)]
+
+
+@dataclass(frozen=True)
+class TokenSelector(RelocatingPolicy):
+    """A scorer and allocators (``parts``); made by ``compose``, whose fields are the parts' options.
+
+    An instance holds its parts with its own options as ``scorer``, ``layers``, ``heads`` and ``rewrite``.
+    """
+
+    parts: ClassVar[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        for role, part in self.parts.items():
+            if part is not None:
+                part = replace(part, **{f.name: getattr(self, f.name) for f in fields(part)})
+            object.__setattr__(self, role, part)
+
+    def compress(self, prompt: PromptKV, budget: int, observation: Any = None) -> CompressedKV:
+        scorer, length = self.scorer, prompt.num_tokens
+        carried = scorer.scores(prompt, observation) if scorer.carries_scores else None
+        split = None if length <= budget else scorer.split(prompt, budget)
+        if split is None:
+            threshold = None if self.rewrite is None else prompt.threshold
+            return CompressedKV(self.keep_all(prompt), scores=carried, threshold=threshold)
+        if budget == split.reserved and carried is None:  # nothing left to choose by score
+            device = prompt.keys.device
+            fixed = torch.cat(
+                [torch.arange(split.sinks, device=device), torch.arange(length - split.recent, length, device=device)]
+            )
+            return CompressedKV([fixed for _ in range(prompt.num_heads)])
+        scores = carried if carried is not None else scorer.scores(prompt, observation)
+        candidates = scores[:, split.sinks : length - split.recent]
+        capacity = self.layers.capacity(prompt, budget - split.reserved, length - split.reserved)
+        kept = keep_best(candidates, self.heads.counts(prompt, candidates, capacity), split, length)
+        kept_scores = None if carried is None else scores.gather(1, torch.stack(kept))
+        if self.rewrite is None:
+            return CompressedKV(kept, scores=kept_scores)
+        return self.rewrite.apply(prompt, kept, kept_scores)
+
+    def observe(self, prompt: PromptKV) -> Any:
+        return self.scorer.observe(prompt)
+
+    def layer_budgets(self, observations: list[Any], budget: int) -> list[int]:
+        return self.layers.layer_budgets(observations, budget)
+
+    def most_kept(self, budget: int) -> int:
+        return self.layers.most_kept(budget)
+
+
+def compose(
+    name: str,
+    scorer: Scorer,
+    *,
+    heads: HeadAllocator = UniformHeads(),
+    layers: LayerAllocator = SameBudget(),
+    rewrite: Rewrite | None = None,
+    per_chunk: bool = False,
+    in_decode: bool = False,
+    class_name: str,
+    module: str,
+    doc: str,
+) -> type[TokenSelector]:
+    """The policy ``name``: ``scorer``'s scores, ``layers``' and ``heads``' counts, ``rewrite``'s K/V,
+    applied at prompt end, and also per prompt chunk and in decode as asked. Its fields are the parts'
+    options, with the parts' values as defaults."""
+    if in_decode and not isinstance(heads, UniformHeads):
+        raise ValueError(f"{name}: a policy that evicts in decode keeps the same count in every head")
+    parts = {"scorer": scorer, "layers": layers, "heads": heads, "rewrite": rewrite}
+    options = [
+        (f.name, f.type, field(default=getattr(part, f.name), metadata=f.metadata))
+        for part in parts.values()
+        if part is not None
+        for f in fields(part)
+    ]
+    names = [option[0] for option in options]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name}: two parts have an option of the same name ({names})")
+    namespace = {
+        "name": name,
+        "parts": parts,
+        "inputs": scorer.reads,
+        "schedule": Schedule(per_chunk, in_decode, layers.across_layers),
+        "__doc__": doc,
+        "__module__": module,
+    }
+    return make_dataclass(class_name, options, bases=(TokenSelector,), namespace=namespace, frozen=True)
