@@ -24,6 +24,7 @@ from kvpolicy.policies.options import is_option
 #: Engine options shown after the policies' own.
 _ENGINE_LAST = ("page_pool", "offload", "reserve_growth", "tp_allocation")
 _KINDS = {"int": "int", "float": "float", "str": "str", "bool": "bool", "tuple[int, ...]": "layers"}
+_METAVARS = {"int": "N", "float": "X", "bool": "true|false", "layers": "L,L,..."}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,6 +41,10 @@ class Flag:
     @property
     def option(self) -> str:
         return f"--kv-{self.name.replace('_', '-')}"
+
+    @property
+    def metavar(self) -> str:
+        return _METAVARS.get(self.kind) or self.name.upper()
 
 
 def _kind(f: Field) -> str:
@@ -97,9 +102,14 @@ def _flags() -> list[Flag]:
 FLAGS: list[Flag] = _flags()
 
 
+def _escaped(cell: str) -> str:
+    """A Markdown table cell's text with its pipes escaped."""
+    return cell.replace("|", "\\|")
+
+
 def options_table() -> str:
     """The README's table of flags."""
-    rows = [f"| `{flag.option} {flag.name.upper()}` | {flag.help} |" for flag in FLAGS]
+    rows = [f"| `{flag.option} {_escaped(flag.metavar)}` | {flag.help} |" for flag in FLAGS]
     return "\n".join(["| flag | what it sets |", "|---|---|", *rows])
 
 

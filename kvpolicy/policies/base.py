@@ -1,4 +1,4 @@
-"""What every policy is: a selector over one layer's prompt KV, with no notion of pages."""
+"""What every policy is (a mode, its options as fields) and what a relocating one sees and returns: one layer's KV."""
 
 from __future__ import annotations
 

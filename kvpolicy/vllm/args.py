@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag.option,
             type=_option_type(flag.name, _CONVERTERS[flag.kind]),
             default=None,
-            metavar=flag.name.upper(),
+            metavar=flag.metavar,
             help=flag.help.replace("%", "%%"),
         )
 
