@@ -104,12 +104,18 @@ class Rewrite:
         raise NotImplementedError
 
 
+def unscored(split: Split, length: int, device: torch.device) -> torch.Tensor:
+    """The positions a split keeps unscored, ascending: its sinks, then its recent tokens."""
+    return torch.cat(
+        [torch.arange(split.sinks, device=device), torch.arange(length - split.recent, length, device=device)]
+    )
+
+
 def keep_best(scores: torch.Tensor, counts: list[int], split: Split, length: int) -> list[torch.Tensor]:
     """Each head's ``counts[h]`` best-scored positions (ties to the earlier one) and the split's, ascending.
 
     ``scores``: [kv_heads, candidates], the positions between the split's sinks and recent tokens."""
-    positions = torch.arange(length, device=scores.device)
-    fixed = torch.cat([positions[: split.sinks], positions[length - split.recent :]])
+    fixed = unscored(split, length, scores.device)
     ranked = scores.argsort(dim=-1, descending=True, stable=True)
     if len(set(counts)) == 1:
         best = ranked[:, : counts[0]] + split.sinks
@@ -140,10 +146,7 @@ class TokenSelector(RelocatingPolicy):
             threshold = None if self.rewrite is None else prompt.threshold
             return CompressedKV(self.keep_all(prompt), scores=carried, threshold=threshold)
         if budget == split.reserved and carried is None:  # nothing left to choose by score
-            device = prompt.keys.device
-            fixed = torch.cat(
-                [torch.arange(split.sinks, device=device), torch.arange(length - split.recent, length, device=device)]
-            )
+            fixed = unscored(split, length, prompt.keys.device)
             return CompressedKV([fixed for _ in range(prompt.num_heads)])
         scores = carried if carried is not None else scorer.scores(prompt, observation)
         candidates = scores[:, split.sinks : length - split.recent]

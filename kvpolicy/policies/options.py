@@ -2,7 +2,7 @@
 
 A policy's options are the fields of its parts (scorer, allocators, rewrite) or of its own class; the
 CLI (``kvpolicy/vllm/args.py``), the README's options table and ``KVPolicyConfig``'s checks are all read
-from these fields (``tests/unit/test_options.py`` fails when the README drifts from them).
+from these fields (``tests/unit/test_flags.py`` fails when the README drifts from them).
 """
 
 from __future__ import annotations
