@@ -18,7 +18,9 @@ unless asked for, and refused when asked for.
 from __future__ import annotations
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
-from kvpolicy.policies import POLICIES, Mode, PyramidKV
+from kvpolicy.policies import POLICIES, Mode
+from kvpolicy.policies.compose import TokenSelector
+from kvpolicy.policies.snapkv import Pyramid
 
 #: mode -> why it cannot run under pipeline parallelism
 CROSSES_STAGES = {
@@ -40,7 +42,8 @@ def check_pipeline(config: KVPolicyConfig, pipeline_parallel_size: int) -> None:
     why = CROSSES_STAGES.get(POLICIES[config.policy].mode)
     if why is not None:
         raise KVPolicyConfigError(f"--kv-policy {config.policy} cannot run with {flag}: {why}; drop one of them")
-    if isinstance(config.make_policy(), PyramidKV):
+    policy = config.make_policy()
+    if isinstance(policy, TokenSelector) and isinstance(policy.layers, Pyramid):
         raise KVPolicyConfigError(
             f"--kv-policy {config.policy} cannot run with {flag}: it sizes each layer's budget by the layer's "
             "depth in the whole model, and a stage sees only its own layers; use adasnap or snapkv"
