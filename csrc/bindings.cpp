@@ -17,6 +17,12 @@ std::vector<at::Tensor> gather_tokens(const at::Tensor& cache, const std::vector
                                       const at::Tensor& slots);
 void scatter_tokens(at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim, const at::Tensor& slots,
                     const at::Tensor& keys, const at::Tensor& values);
+at::Tensor pod_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor& cache,
+                         const std::vector<int64_t>& addressing, const at::Tensor& token_of, const at::Tensor& head_of,
+                         const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& value_table,
+                         const at::Tensor& distant_start, const at::Tensor& distant_count, const at::Tensor& read_from,
+                         const at::Tensor& write_to, at::Tensor& distant_logits, double scale, int64_t num_kv_heads,
+                         double tau);
 void move_tokens(at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim, const at::Tensor& src,
                  const at::Tensor& dst);
 }  // namespace kvpolicy
@@ -29,4 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_tokens", &kvpolicy::gather_tokens);
   m.def("scatter_tokens", &kvpolicy::scatter_tokens);
   m.def("move_tokens", &kvpolicy::move_tokens);
+  m.def("pod_attention", &kvpolicy::pod_attention);
 }

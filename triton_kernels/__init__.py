@@ -5,6 +5,7 @@ from .keydiff_scores import keydiff_scores, keydiff_scores_reference
 from .new_token_weights import new_token_weights, new_token_weights_reference
 from .page_scores import context_token_scores, context_token_scores_reference
 from .paged_attention import paged_attention, paged_attention_reference
+from .pod_attention import pod_attention, pod_attention_reference
 from .relocate import (
     gather_tokens,
     gather_tokens_reference,
@@ -31,6 +32,8 @@ __all__ = [
     "new_token_weights_reference",
     "paged_attention",
     "paged_attention_reference",
+    "pod_attention",
+    "pod_attention_reference",
     "scatter_tokens",
     "scatter_tokens_reference",
     "window_attention_sums",

@@ -4,6 +4,8 @@ references; parallel over torch's threads (``at::parallel_for``)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvpolicy_csrc import _C
@@ -59,3 +61,45 @@ def move_tokens(cache, geom, src, dst) -> None:
     """Every token at ``src[i]`` to ``dst[i]``, all read before any write (overlap-safe).
     Reference: ``kvpolicy_triton.move_tokens_reference``."""
     _C.move_tokens(cache, list(geom.addressing()), geom.head_size, src, dst)
+
+
+def pod_attention(
+    query,
+    out,
+    cache,
+    geom,
+    token_of,
+    head_of,
+    page_table,
+    seq_lens,
+    value_table,
+    distant_start,
+    distant_count,
+    read_from,
+    write_to,
+    distant_logits,
+    scale,
+    num_kv_heads,
+    tau=None,
+) -> torch.Tensor:
+    """PoD's decode attention (eq. 3-4) into ``out``; [S, G] bool, the query heads whose distant part ``tau``
+    skipped. Reference: ``kvpolicy_triton.pod_attention_reference``."""
+    return _C.pod_attention(
+        query,
+        out,
+        cache,
+        list(geom.addressing()),
+        token_of,
+        head_of,
+        page_table,
+        seq_lens,
+        value_table,
+        distant_start,
+        distant_count,
+        read_from,
+        write_to,
+        distant_logits,
+        scale,
+        num_kv_heads,
+        math.inf if tau is None else float(tau),
+    )

@@ -1,0 +1,356 @@
+"""PoD's decode attention (eq. 3-4): one new token per sequence over its own pages, plus shared distant logits.
+
+A sequence is one KV head of one decode row in one layer. It always attends
+with its G query heads over its own keys and values (``page_table``,
+``seq_lens``). A sequence that keeps every key (the lowest layer of its
+block) also stores the logits of its distant keys, positions ``[start,
+start + count)``, in row ``write_to`` of ``distant_logits`` for the layers
+above it. A sequence that shares (``read_from >= 0``) attends to its
+``count`` distant tokens with the logits of row ``read_from`` and its own
+values, packed two per slot on ``value_table``'s pages (value ``2j`` in slot
+``j``'s K half, ``2j + 1`` in its V half): one softmax over both groups,
+which is eq. 4's gate. A query head whose proximal share of that softmax is
+at least ``tau`` skips the distant part (§2.3).
+
+One program per sequence: the own keys ``BLOCK_N`` at a time with an online
+softmax, then the distant logits twice (their maximum and sum for the gate,
+then the weighted values), so a decode reads each key and value once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .addressing import dot_in_cache_dtype, slot_offsets
+from .geometry import PageGeometry, flat
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _pod_attention_kernel(
+    query_ptr,
+    out_ptr,
+    cache_ptr,
+    logits_ptr,
+    skipped_ptr,
+    token_of_ptr,
+    head_of_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    value_table_ptr,
+    distant_start_ptr,
+    distant_count_ptr,
+    read_from_ptr,
+    write_to_ptr,
+    q_stride_t,
+    q_stride_h,
+    q_stride_d,
+    o_stride_t,
+    o_stride_h,
+    o_stride_d,
+    table_stride,
+    value_table_stride,
+    logits_stride_row,
+    logits_stride_head,
+    scale,
+    tau,
+    group,
+    block_size,
+    heads_per_block,
+    block_stride,
+    head_stride,
+    k_offset,
+    k_token_stride,
+    k_dim_stride,
+    v_offset,
+    v_token_stride,
+    v_dim_stride,
+    HEAD_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOW_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    token = tl.load(token_of_ptr + seq).to(tl.int64)
+    rows = tl.arange(0, ROWS)
+    head_ok = rows < group
+    q_head = tl.load(head_of_ptr + seq).to(tl.int64) * group + rows
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    q = tl.load(
+        query_ptr + token * q_stride_t + q_head[:, None] * q_stride_h + dims[None, :] * q_stride_d,
+        mask=head_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    q = q.to(cache_ptr.dtype.element_ty) if LOW_PRECISION else q.to(tl.float32)
+    length = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    start = tl.load(distant_start_ptr + seq).to(tl.int64)
+    count = tl.load(distant_count_ptr + seq).to(tl.int64)
+    read_from = tl.load(read_from_ptr + seq).to(tl.int64)
+    write_to = tl.load(write_to_ptr + seq).to(tl.int64)
+    # Masks constant along the head dimension let the loads vectorise when no dimension is padding.
+    if HEAD_SIZE == HEAD_PAD:
+        dim_mask = dims[None, :] >= 0
+    else:
+        dim_mask = dim_ok[None, :]
+
+    # The own keys: online softmax (best, total, acc); a lowest layer also stores its distant logits.
+    best = tl.full((ROWS,), float("-inf"), tl.float32)
+    total = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, HEAD_PAD), tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    for key_start in range(0, length, BLOCK_N):
+        j = key_start + keys
+        key_ok = j < length
+        page = tl.load(page_table_ptr + seq * table_stride + j // block_size, mask=key_ok, other=0).to(tl.int64)
+        slots = page * block_size + j % block_size
+        mask = key_ok[:, None] & dim_mask
+        k = tl.load(
+            cache_ptr
+            + slot_offsets(
+                slots,
+                dims,
+                block_size,
+                heads_per_block,
+                block_stride,
+                head_stride,
+                k_offset,
+                k_token_stride,
+                k_dim_stride,
+            ),
+            mask=mask,
+            other=0.0,
+        )
+        v = tl.load(
+            cache_ptr
+            + slot_offsets(
+                slots,
+                dims,
+                block_size,
+                heads_per_block,
+                block_stride,
+                head_stride,
+                v_offset,
+                v_token_stride,
+                v_dim_stride,
+            ),
+            mask=mask,
+            other=0.0,
+        )
+        if LOW_PRECISION:
+            logits = tl.dot(q, tl.trans(k)) * scale
+        else:
+            logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        if write_to >= 0:
+            distant = key_ok & (j >= start) & (j < start + count)
+            tl.store(
+                logits_ptr + write_to * logits_stride_row + rows[:, None] * logits_stride_head + (j - start)[None, :],
+                logits,
+                mask=head_ok[:, None] & distant[None, :],
+            )
+        logits = tl.where(key_ok[None, :], logits, float("-inf"))
+        new_best = tl.maximum(best, tl.max(logits, axis=1))
+        weights = tl.exp(logits - new_best[:, None])
+        rescale = tl.exp(best - new_best)
+        total = total * rescale + tl.sum(weights, axis=1)
+        if LOW_PRECISION:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+        else:
+            acc = acc * rescale[:, None] + tl.dot(weights, v.to(tl.float32), input_precision="ieee")
+        best = new_best
+    result = acc / total[:, None]
+    skipped = rows < 0
+
+    if (read_from >= 0) & (count > 0):
+        shared = logits_ptr + read_from * logits_stride_row + rows[:, None] * logits_stride_head
+        # The distant logits' maximum and sum first: the gate decides per head whether their values count.
+        far_best = tl.full((ROWS,), float("-inf"), tl.float32)
+        far_total = tl.zeros((ROWS,), tl.float32)
+        for far_start in range(0, count, BLOCK_N):
+            i = far_start + keys
+            x = tl.load(shared + i[None, :], mask=head_ok[:, None] & (i < count)[None, :], other=float("-inf"))
+            new_best = tl.maximum(far_best, tl.max(x, axis=1))
+            new_best = tl.where(new_best == float("-inf"), 0.0, new_best)
+            far_total = far_total * tl.exp(far_best - new_best) + tl.sum(tl.exp(x - new_best[:, None]), axis=1)
+            far_best = new_best
+        top = tl.maximum(best, far_best)
+        near_mass = total * tl.exp(best - top)
+        far_mass = far_total * tl.exp(far_best - top)
+        skipped = head_ok & (near_mass / (near_mass + far_mass) >= tau)
+        far_acc = tl.zeros((ROWS, HEAD_PAD), tl.float32)
+        for far_start in range(0, count, BLOCK_N):
+            i = far_start + keys
+            far_ok = i < count
+            x = tl.load(shared + i[None, :], mask=head_ok[:, None] & far_ok[None, :], other=float("-inf"))
+            weights = tl.exp(x - far_best[:, None])
+            pair = i // 2
+            page = tl.load(value_table_ptr + seq * value_table_stride + pair // block_size, mask=far_ok, other=0).to(
+                tl.int64
+            )
+            slots = page * block_size + pair % block_size
+            in_key_half = slot_offsets(
+                slots,
+                dims,
+                block_size,
+                heads_per_block,
+                block_stride,
+                head_stride,
+                k_offset,
+                k_token_stride,
+                k_dim_stride,
+            )
+            in_value_half = slot_offsets(
+                slots,
+                dims,
+                block_size,
+                heads_per_block,
+                block_stride,
+                head_stride,
+                v_offset,
+                v_token_stride,
+                v_dim_stride,
+            )
+            offsets = tl.where((i % 2 == 0)[:, None], in_key_half, in_value_half)
+            v = tl.load(cache_ptr + offsets, mask=far_ok[:, None] & dim_mask, other=0.0)
+            if LOW_PRECISION:
+                far_acc += tl.dot(weights.to(v.dtype), v)
+            else:
+                far_acc += tl.dot(weights, v.to(tl.float32), input_precision="ieee")
+        both = near_mass + far_mass
+        joint = (acc * tl.exp(best - top)[:, None] + far_acc * tl.exp(far_best - top)[:, None]) / both[:, None]
+        result = tl.where(skipped[:, None], result, joint)
+
+    tl.store(
+        out_ptr + token * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
+        result.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None] & dim_ok[None, :],
+    )
+    tl.store(skipped_ptr + seq * group + rows, skipped.to(tl.int8), mask=head_ok)
+
+
+def _never(tau: float | None) -> float:
+    """``tau`` as the kernels take it: a gate is at most 1, so None (never skip) is infinity."""
+    return math.inf if tau is None else float(tau)
+
+
+def pod_attention(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    cache: torch.Tensor,
+    geom: PageGeometry,
+    token_of: torch.Tensor,
+    head_of: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    value_table: torch.Tensor,
+    distant_start: torch.Tensor,
+    distant_count: torch.Tensor,
+    read_from: torch.Tensor,
+    write_to: torch.Tensor,
+    distant_logits: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+    tau: float | None = None,
+) -> torch.Tensor:
+    """Eq. 3-4 for sequences ``s`` (module docstring) into ``out`` [T, Hq, D]; returns [S, G] bool, the query heads
+    whose distant part ``tau`` skipped.
+
+    Sequence s is KV head ``head_of[s]`` of batch token ``token_of[s]`` (query [T, Hq, D]). ``distant_logits``
+    [rows, G, N] float32 (contiguous in its last dim) is read at ``read_from[s]`` and written at
+    ``write_to[s]`` (-1: neither); ``value_table`` [S, pages] is read only where ``read_from[s] >= 0``.
+    """
+    seqs = token_of.numel()
+    group = query.shape[1] // num_kv_heads
+    skipped = torch.zeros(seqs, group, dtype=torch.int8, device=query.device)
+    if seqs == 0:
+        return skipped.bool()
+    _pod_attention_kernel[(seqs,)](
+        query,
+        out,
+        cache,
+        distant_logits,
+        skipped,
+        token_of,
+        head_of,
+        page_table,
+        seq_lens,
+        value_table,
+        distant_start,
+        distant_count,
+        read_from,
+        write_to,
+        *query.stride(),
+        *out.stride(),
+        page_table.stride(0),
+        value_table.stride(0),
+        distant_logits.stride(0),
+        distant_logits.stride(1),
+        scale,
+        _never(tau),
+        group,
+        *geom.addressing(),
+        HEAD_SIZE=geom.head_size,
+        ROWS=max(16, triton.next_power_of_2(group)),
+        HEAD_PAD=max(16, triton.next_power_of_2(geom.head_size)),
+        BLOCK_N=BLOCK_N,
+        LOW_PRECISION=dot_in_cache_dtype(cache),
+    )
+    return skipped.bool()
+
+
+def pod_attention_reference(
+    query,
+    out,
+    cache,
+    geom,
+    token_of,
+    head_of,
+    page_table,
+    seq_lens,
+    value_table,
+    distant_start,
+    distant_count,
+    read_from,
+    write_to,
+    distant_logits,
+    scale,
+    num_kv_heads,
+    tau=None,
+) -> torch.Tensor:
+    """Plain torch, one sequence at a time in order: one softmax over the own and the shared distant logits."""
+    storage = flat(cache)
+    bs = geom.block_size
+    group = query.shape[1] // num_kv_heads
+    skipped = torch.zeros(token_of.numel(), group, dtype=torch.bool, device=query.device)
+
+    def rows_at(table: torch.Tensor, n: int, value: bool) -> torch.Tensor:
+        positions = torch.arange(n, device=table.device)
+        slots = table.long()[positions // bs] * bs + positions % bs
+        return storage[geom.element_index(slots, value)].float()
+
+    for s in range(token_of.numel()):
+        n, start, count = int(seq_lens[s]), int(distant_start[s]), int(distant_count[s])
+        heads = slice(int(head_of[s]) * group, (int(head_of[s]) + 1) * group)
+        q = query[int(token_of[s]), heads].float()
+        own = q @ rows_at(page_table[s], n, False).T * scale
+        values = rows_at(page_table[s], n, True)
+        if int(write_to[s]) >= 0:
+            distant_logits[int(write_to[s]), :, :count] = own[:, start : start + count]
+        result = own.softmax(dim=-1) @ values
+        if int(read_from[s]) >= 0 and count:
+            far = distant_logits[int(read_from[s]), :, :count].float()
+            pairs = -(-count // 2)
+            even, odd = rows_at(value_table[s], pairs, False), rows_at(value_table[s], pairs, True)
+            far_values = torch.stack([even, odd], dim=1).flatten(0, 1)[:count]
+            both = torch.cat([own, far], dim=-1)
+            joint = both.softmax(dim=-1) @ torch.cat([values, far_values])
+            skipped[s] = (own.logsumexp(dim=-1) - both.logsumexp(dim=-1)).exp() >= _never(tau)
+            result = torch.where(skipped[s, :, None], result, joint)
+        out[int(token_of[s]), heads] = result.to(out.dtype)
+    return skipped
