@@ -15,6 +15,8 @@ at::Tensor context_token_scores(const at::Tensor& query, const at::Tensor& cache
                                 double scale);
 std::vector<at::Tensor> gather_tokens(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
                                       const at::Tensor& slots);
+at::Tensor gather_values(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
+                         const at::Tensor& slots);
 void scatter_tokens(at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim, const at::Tensor& slots,
                     const at::Tensor& keys, const at::Tensor& values);
 at::Tensor pod_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor& cache,
@@ -33,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("new_token_weights", &kvpolicy::new_token_weights);
   m.def("context_token_scores", &kvpolicy::context_token_scores);
   m.def("gather_tokens", &kvpolicy::gather_tokens);
+  m.def("gather_values", &kvpolicy::gather_values);
   m.def("scatter_tokens", &kvpolicy::scatter_tokens);
   m.def("move_tokens", &kvpolicy::move_tokens);
   m.def("pod_attention", &kvpolicy::pod_attention);

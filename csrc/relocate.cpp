@@ -53,6 +53,19 @@ std::vector<at::Tensor> gather_tokens(const at::Tensor& cache, const std::vector
   return {keys, values};
 }
 
+at::Tensor gather_values(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
+                         const at::Tensor& slots) {
+  check_cache(cache);
+  const auto a = with_values(addressing);
+  const auto at_slots = index_of(slots, "slots");
+  const int64_t n = at_slots.numel();
+  auto values = at::empty({n, dim}, cache.options());
+  KVPOLICY_DISPATCH(cache.scalar_type(), "gather_values", [&] {
+    gather_half(cache.data_ptr<scalar_t>(), a, at_slots.data_ptr<int64_t>(), n, dim, true, values.data_ptr<scalar_t>());
+  });
+  return values;
+}
+
 void scatter_tokens(at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim, const at::Tensor& slots,
                     const at::Tensor& keys, const at::Tensor& values) {
   check_cache(cache);

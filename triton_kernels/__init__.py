@@ -9,6 +9,8 @@ from .pod_attention import pod_attention, pod_attention_reference
 from .relocate import (
     gather_tokens,
     gather_tokens_reference,
+    gather_values,
+    gather_values_reference,
     move_tokens,
     move_tokens_reference,
     scatter_tokens,
@@ -24,6 +26,8 @@ __all__ = [
     "flat",
     "gather_tokens",
     "gather_tokens_reference",
+    "gather_values",
+    "gather_values_reference",
     "keydiff_scores",
     "keydiff_scores_reference",
     "move_tokens",

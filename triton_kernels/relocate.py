@@ -40,10 +40,12 @@ def _copy_tokens_kernel(
     v_token_stride,
     v_dim_stride,
     TO_CACHE: tl.constexpr,
+    KEYS: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ):
-    """Copy rows between the cache (at ``slots``) and dense buffers [rows, D]: into the cache when TO_CACHE."""
+    """Copy rows between the cache (at ``slots``) and dense buffers [rows, D]: into the cache when TO_CACHE;
+    V rows only unless KEYS."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
     slots = tl.load(slots_ptr + row, mask=row_ok, other=0)
@@ -61,11 +63,12 @@ def _copy_tokens_kernel(
         tl.store(k_cache, tl.load(k_buf, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache, tl.load(v_buf, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(k_buf, tl.load(k_cache, mask=mask).to(k_buf_ptr.dtype.element_ty), mask=mask)
+        if KEYS:
+            tl.store(k_buf, tl.load(k_cache, mask=mask).to(k_buf_ptr.dtype.element_ty), mask=mask)
         tl.store(v_buf, tl.load(v_cache, mask=mask).to(v_buf_ptr.dtype.element_ty), mask=mask)
 
 
-def _copy(cache, geom, slots, k, v, to_cache: bool) -> None:
+def _copy(cache, geom, slots, k, v, to_cache: bool, keys: bool = True) -> None:
     rows = slots.numel()
     if rows == 0:
         return
@@ -80,6 +83,7 @@ def _copy(cache, geom, slots, k, v, to_cache: bool) -> None:
         geom.head_size,
         *geom.addressing(),
         TO_CACHE=to_cache,
+        KEYS=keys,
         ROWS=ROWS,
         HEAD_PAD=triton.next_power_of_2(geom.head_size),
     )
@@ -91,6 +95,13 @@ def gather_tokens(cache: torch.Tensor, geom: PageGeometry, slots: torch.Tensor) 
     v = torch.empty_like(k)
     _copy(cache, geom, slots, k, v, to_cache=False)
     return k, v
+
+
+def gather_values(cache: torch.Tensor, geom: PageGeometry, slots: torch.Tensor) -> torch.Tensor:
+    """V of the tokens at ``slots``, [n, D] in the cache's dtype; their K is not read."""
+    v = torch.empty(slots.numel(), geom.head_size, dtype=cache.dtype, device=cache.device)
+    _copy(cache, geom, slots, v, v, to_cache=False, keys=False)
+    return v
 
 
 def scatter_tokens(
@@ -110,6 +121,11 @@ def gather_tokens_reference(cache, geom, slots) -> tuple[torch.Tensor, torch.Ten
     """Plain torch: the K and V rows at the slots' flat offsets, copied out."""
     storage = flat(cache)
     return storage[geom.element_index(slots)].clone(), storage[geom.element_index(slots, value=True)].clone()
+
+
+def gather_values_reference(cache, geom, slots) -> torch.Tensor:
+    """Plain torch: the V rows at the slots' flat offsets, copied out."""
+    return flat(cache)[geom.element_index(slots, value=True)].clone()
 
 
 def scatter_tokens_reference(cache, geom, slots, k, v) -> None:

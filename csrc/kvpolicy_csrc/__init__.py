@@ -52,6 +52,12 @@ def gather_tokens(cache, geom, slots) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
+def gather_values(cache, geom, slots) -> torch.Tensor:
+    """V rows [n, head_size] of the tokens at ``slots``, their K left unread.
+    Reference: ``kvpolicy_triton.gather_values_reference``."""
+    return _C.gather_values(cache, list(geom.addressing()), geom.head_size, slots)
+
+
 def scatter_tokens(cache, geom, slots, keys, values) -> None:
     """Write K and V rows at ``slots``, in place. Reference: ``kvpolicy_triton.scatter_tokens_reference``."""
     _C.scatter_tokens(cache, list(geom.addressing()), geom.head_size, slots, keys, values)

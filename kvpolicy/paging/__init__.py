@@ -3,9 +3,11 @@
 from kvpolicy.paging.layout import PageLayout
 from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall
 from kvpolicy.paging.page_table import RequestPages, TokenMoves, stock_slots, write_order
-from kvpolicy.paging.shared import SharedLayoutPlan, SharedPages, ValuePairs
+from kvpolicy.paging.shared import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages, ValuePairs
 
 __all__ = [
+    "DecodeTables",
+    "DistantLogitRows",
     "HostPagePool",
     "OffloadPlan",
     "OffloadedRequest",

@@ -10,6 +10,10 @@ layer that keeps distant keys, the proximal ones (sinks, recent window,
 generated tokens) elsewhere. A layer that shares the distant tokens' scores
 keeps their values only, two per slot: distant value ``2j`` in slot ``j``'s
 K half, ``2j + 1`` in its V half (``ValuePairs``).
+
+A decode step reads these pages through index tables (``DecodeTables``), one
+row per (request, head) and one plane per layer, which every request keeps
+up to date as it grows, so a step stacks them instead of rebuilding them.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class SharedPages(BlockPages):
         self.values: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(self.num_layers)]
         self.distant = (0, 0)  # [start, end) of the distant positions, fixed at layout
         self.keep = list(range(len(self.blocks)))  # block-table positions the layout holds
+        #: ``main`` and ``values`` as arrays [layers, heads, pages] (0 past each list), for ``DecodeTables``.
+        self.main_table = np.zeros((self.num_layers, num_heads, 0), dtype=np.int64)
+        self.value_table = np.zeros((self.num_layers, num_heads, 0), dtype=np.int64)
 
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         """Global slots of ``positions`` of one (layer, head) in vLLM's stock layout."""
@@ -116,6 +123,8 @@ class SharedPages(BlockPages):
                     pair_dst.append(page_slots(self.values[layer][h], pairs, bs))
         self.free = pool
         self.lengths[:] = counts
+        self.main_table = _as_table(self.main, -(-int(counts.max()) // bs) + 1)
+        self.value_table = _as_table(self.values, int(value_pages.max()))
         empty = torch.zeros(0, dtype=torch.int64)
         return SharedLayoutPlan(
             TokenMoves(torch.cat(src), torch.cat(dst)),
@@ -129,6 +138,10 @@ class SharedPages(BlockPages):
             if not self.free:
                 raise RuntimeError("no free page left: the PoD request outgrew its blocks")
             self.main[layer][h].append(self.free.pop())
+            position = len(self.main[layer][h]) - 1
+            if position >= self.main_table.shape[2]:
+                self.main_table = np.pad(self.main_table, ((0, 0), (0, 0), (0, position + 1)))
+            self.main_table[layer, h, position] = self.main[layer][h][-1]
         pages = np.array(
             [[heads[h][n // bs] for h, n in enumerate(lengths)] for heads, lengths in zip(self.main, self.lengths)]
         )
@@ -155,3 +168,90 @@ class SharedPages(BlockPages):
         """Token slots held: every main token, and one slot per pair of packed distant values."""
         pairs = math.ceil(self.num_distant / 2)
         return int(self.lengths.sum()) + pairs * int((~self.keeps_keys).sum())
+
+
+def _as_table(pages: list[list[list[int]]], width: int) -> np.ndarray:
+    """Per-(layer, head) page lists as an array [layers, heads, width], 0 past each list."""
+    table = np.zeros((len(pages), len(pages[0]), width), dtype=np.int64)
+    for layer, heads in enumerate(pages):
+        for h, ids in enumerate(heads):
+            table[layer, h, : len(ids)] = ids
+    return table
+
+
+@dataclass(frozen=True)
+class DistantLogitRows:
+    """Where a decode row's (layer, head) pairs store and find the distant logits a lowest layer shares.
+
+    Each (layer, head) that some layer above reuses owns one row of a step's logits buffer per decode row:
+    decode row ``r``'s pair ``k`` is row ``r * per_row + k``. ``write`` [layers, heads]: the pair index a
+    (layer, head) stores its distant logits at, -1 when none reads them; ``read``: the index of the lowest
+    (layer, head) of its block, -1 for a lowest layer (it attends over all its keys).
+    """
+
+    read: np.ndarray
+    write: np.ndarray
+    per_row: int
+
+    @classmethod
+    def of(cls, lowest: np.ndarray) -> DistantLogitRows:
+        """From ``lowest`` [layers, heads]: the lowest layer of the block each (layer, head) belongs to."""
+        layers, heads = lowest.shape
+        own = lowest == np.arange(layers)[:, None]
+        reused = np.zeros_like(own)
+        reused[lowest[~own], np.nonzero(~own)[1]] = True
+        write = np.full(lowest.shape, -1, dtype=np.int64)
+        write[reused] = np.arange(int(reused.sum()))
+        read = np.where(own, -1, write[lowest, np.arange(heads)[None, :]])
+        return cls(read, write, int(reused.sum()))
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """PoD's decode sequences of one step: sequence ``r * heads + h`` is head ``h`` of decode row ``r``;
+    the [layers, ...] tensors hold one plane per layer (``kvpolicy_triton.pod_attention``'s arguments).
+
+    ``page_table``, ``seq_lens``: each sequence's main pages and tokens (the new one included);
+    ``value_table``: its packed distant values' pages; ``distant_start``/``distant_count``: its distant
+    positions; ``read_from``/``write_to``: its rows of the step's distant-logits buffer (-1: none), which
+    holds ``logit_rows`` rows of ``max_distant`` logits per query head.
+    """
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    value_table: torch.Tensor
+    distant_start: torch.Tensor
+    distant_count: torch.Tensor
+    read_from: torch.Tensor
+    write_to: torch.Tensor
+    logit_rows: int
+    max_distant: int
+
+    @classmethod
+    def of(cls, requests: Sequence[SharedPages], rows: DistantLogitRows) -> DecodeTables:
+        layers, heads = rows.read.shape
+        width = max(r.main_table.shape[2] for r in requests)
+        value_width = max(1, max(r.value_table.shape[2] for r in requests))
+        seqs = len(requests) * heads
+        page_table = np.zeros((layers, seqs, width), dtype=np.int32)
+        value_table = np.zeros((layers, seqs, value_width), dtype=np.int32)
+        for i, request in enumerate(requests):
+            span = slice(i * heads, (i + 1) * heads)
+            page_table[:, span, : request.main_table.shape[2]] = request.main_table
+            value_table[:, span, : request.value_table.shape[2]] = request.value_table
+        first = np.arange(len(requests))[:, None, None] * rows.per_row  # [requests, 1, 1]
+
+        def logit_row(index: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.where(index >= 0, first + index, -1).transpose(1, 0, 2).reshape(layers, seqs))
+
+        return cls(
+            page_table=torch.from_numpy(page_table),
+            seq_lens=torch.from_numpy(np.concatenate([r.lengths for r in requests], axis=1).astype(np.int32)),
+            value_table=torch.from_numpy(value_table),
+            distant_start=torch.tensor([r.distant[0] for r in requests], dtype=torch.int32).repeat_interleave(heads),
+            distant_count=torch.tensor([r.num_distant for r in requests], dtype=torch.int32).repeat_interleave(heads),
+            read_from=logit_row(rows.read[None]),
+            write_to=logit_row(rows.write[None]),
+            logit_rows=len(requests) * rows.per_row,
+            max_distant=max(r.num_distant for r in requests),
+        )

@@ -211,6 +211,38 @@ class SharedBatch:
     distant_logits: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SharedAttention:
+    """One layer's PoD decode call (``KVOps.pod_attention``, ``kvpolicy_triton.pod_attention``'s arguments):
+    sequence ``s`` is KV head ``head_of[s]`` of batch token ``token_of[s]``, over its pages in this layer."""
+
+    token_of: torch.Tensor
+    head_of: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    value_table: torch.Tensor
+    distant_start: torch.Tensor
+    distant_count: torch.Tensor
+    read_from: torch.Tensor
+    write_to: torch.Tensor
+    distant_logits: torch.Tensor
+    tau: float | None
+
+    def indices(self) -> tuple[torch.Tensor, ...]:
+        """The index tensors, in the kernels' order (between the cache's geometry and ``distant_logits``)."""
+        return (
+            self.token_of,
+            self.head_of,
+            self.page_table,
+            self.seq_lens,
+            self.value_table,
+            self.distant_start,
+            self.distant_count,
+            self.read_from,
+            self.write_to,
+        )
+
+
 @dataclass
 class SharingStep:
     """A step of PoD: ``stock`` attends every row but the decode rows in ``shared``; ``layouts``

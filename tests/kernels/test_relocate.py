@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from kvpolicy_triton import gather_tokens_reference, move_tokens_reference, scatter_tokens_reference
+from kvpolicy_triton import (
+    gather_tokens_reference,
+    gather_values_reference,
+    move_tokens_reference,
+    scatter_tokens_reference,
+)
 from tests.kernels.paging import DEVICE, DTYPES, IMPLEMENTATIONS, LAYOUTS, index, make_cache
 
 KV_HEADS, HEAD_SIZE, BLOCKS = 2, 32, 5
@@ -19,6 +24,8 @@ def test_gather_scatter_tokens_match_reference(ops, dtype, layout):
     k, v = IMPLEMENTATIONS[ops].gather_tokens(cache, geom, slots)
     want_k, want_v = gather_tokens_reference(cache, geom, slots)
     assert k.dtype == cache.dtype and torch.equal(k, want_k) and torch.equal(v, want_v)
+    values = IMPLEMENTATIONS[ops].gather_values(cache, geom, slots)
+    assert torch.equal(values, gather_values_reference(cache, geom, slots)) and torch.equal(values, want_v)
 
     rows = torch.randn(2, len(slots), HEAD_SIZE, generator=generator).to(DEVICE, dtype)
     want = cache.clone()

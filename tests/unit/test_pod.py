@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.paging import SharedPages
-from kvpolicy.paging.page_table import write_order
+from kvpolicy.paging import DecodeTables, DistantLogitRows, SharedPages
+from kvpolicy.paging.page_table import page_slots, write_order
 from kvpolicy.policies.pod import (
     DEFAULT_GROUPS,
     LayerGroups,
@@ -192,3 +192,36 @@ def test_shared_layout_never_writes_blocks_other_requests_read():
     # Its own blocks first, then the cached ones from the last back; the shared ones are handed back.
     assert pages.blocks_to_keep() == set(order)
     assert pages.release_except(pages.blocks_to_keep()) == 2
+
+
+def test_decode_tables_stack_each_requests_pages_and_logit_rows():
+    """Two laid-out requests after a decode append: one sequence per (request, head), one plane per layer."""
+    rows = DistantLogitRows.of(np.array([[0, 0], [0, 1], [0, 1]]))  # KEEPS' blocks
+    assert rows.per_row == 2 and rows.write.tolist() == [[0, -1], [-1, 1], [-1, -1]]
+    assert rows.read.tolist() == [[-1, -1], [0, -1], [0, 1]]
+    requests = []
+    for seed, distant in ((0, (2, 56)), (1, (3, 40))):
+        pages = SharedPages(
+            BASE, HEADS, BS, torch.randperm(16, generator=torch.Generator().manual_seed(seed)).tolist(), KEEPS
+        )
+        pages.layout(LENGTH, distant)
+        pages.append()  # a full page in every lowest (layer, head): a new page there
+        requests.append(pages)
+    tables = DecodeTables.of(requests, rows)
+    for r, pages in enumerate(requests):
+        for layer in range(LAYERS):
+            for h in range(HEADS):
+                s = r * HEADS + h
+                n = int(tables.seq_lens[layer, s])
+                assert n == pages.lengths[layer, h]
+                assert torch.equal(page_slots(tables.page_table[layer, s].tolist(), n, BS), pages.main_slots(layer)[h])
+                if not KEEPS[layer, h]:
+                    assert torch.equal(
+                        page_slots(tables.value_table[layer, s].tolist(), -(-pages.num_distant // 2), BS),
+                        pages.value_slots(layer, h),
+                    )
+        assert tables.distant_start[r * HEADS : (r + 1) * HEADS].tolist() == [pages.distant[0]] * HEADS
+        assert tables.distant_count[r * HEADS : (r + 1) * HEADS].tolist() == [pages.num_distant] * HEADS
+    assert tables.write_to.tolist() == [[0, -1, 2, -1], [-1, 1, -1, 3], [-1, -1, -1, -1]]
+    assert tables.read_from.tolist() == [[-1, -1, -1, -1], [0, -1, 2, -1], [0, 1, 2, 3]]
+    assert (tables.logit_rows, tables.max_distant) == (4, 54)

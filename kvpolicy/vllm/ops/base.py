@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, Step, SummedChunk
+from kvpolicy.vllm.step import AttentionBatch, HeadRows, SharedAttention, Step, SummedChunk
 
 
 class KVOps(ABC):
@@ -61,6 +61,10 @@ class KVOps(ABC):
     def scatter(self, layer, cache, slots, keys, values) -> None:
         """Write K and V rows [n, D] at ``slots``."""
 
+    def gather_values(self, layer, cache, slots) -> torch.Tensor:
+        """V rows [n, D] of the tokens at ``slots`` (PoD packs distant values without their keys)."""
+        return self.gather(layer, cache, slots)[1]
+
     def move(self, layer, cache, src, dst) -> None:
         """Every token at ``src[i]`` to ``dst[i]``; safe when the two overlap (all read before any write)."""
         keys, values = self.gather(layer, cache, src)
@@ -87,3 +91,9 @@ class KVOps(ABC):
         """OmniKV's eq. (3)-(4), last-token selector: per row, each context token's attention weight
         from the row's last query (max over query heads), [rows, pages * block_size]; ``page_ids``
         [rows, kv_heads, pages] in ``cache``, ``token_idx`` the rows' query tokens."""
+
+    def pod_attention(self, layer, query, out, cache, call: SharedAttention) -> torch.Tensor:
+        """PoD's decode attention (eq. 3-4) of ``call``'s sequences into ``out`` [T, q_heads, D], over ``cache``
+        as one-head pages of the whole KV buffer (``kvpolicy_triton.pod_attention``); returns [S, G] bool,
+        the query heads whose distant part ``call.tau`` skipped."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement PoD's decode attention")

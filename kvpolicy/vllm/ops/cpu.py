@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.paging import PageLayout
+from kvpolicy.paging.page_table import page_slots
 from kvpolicy.policies.h2o import new_token_attention
 from kvpolicy.policies.omnikv import context_scores
+from kvpolicy.policies.pod import attend_shared, proximal_logits
 from kvpolicy.vllm.internals import envs, ops
 from kvpolicy.vllm.ops.base import KVOps
 from kvpolicy.vllm.step import AttentionBatch, HeadRows
@@ -232,6 +234,12 @@ class CPUOps(KVOps):
             return kvpolicy_csrc.gather_tokens(cache, geometry, slots)
         return cache_layout(layer, cache).gather(self.views(layer, cache).one_head.view(-1), slots)
 
+    def gather_values(self, layer, cache, slots):
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            return kvpolicy_csrc.gather_values(cache, geometry, slots)
+        return super().gather_values(layer, cache, slots)
+
     def scatter(self, layer, cache, slots, keys, values):
         geometry = self._geometry(layer, cache)
         if geometry is not None:
@@ -258,6 +266,45 @@ class CPUOps(KVOps):
         )
         out[chunk.token_idx] = attended.transpose(0, 1).to(out.dtype)
         return sums
+
+    def pod_attention(self, layer, query, out, cache, call):
+        impl = self.impl
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            return kvpolicy_csrc.pod_attention(
+                query,
+                out,
+                cache,
+                geometry,
+                *call.indices(),
+                call.distant_logits,
+                impl.scale,
+                impl.num_kv_heads,
+                call.tau,
+            )
+        return self._pod_attention_by_gather(layer, query, out, cache, call)
+
+    def _pod_attention_by_gather(self, layer, query, out, cache, call) -> torch.Tensor:
+        """The torch path: each sequence's tokens gathered through the page layout, eq. 3-4 by the policy."""
+        impl = self.impl
+        group, bs = impl.num_queries_per_kv, cache.shape[2]
+        skipped = torch.zeros(call.token_of.numel(), group, dtype=torch.bool)
+        columns = (call.token_of, call.head_of, call.seq_lens, call.distant_start, call.distant_count)
+        columns += (call.read_from, call.write_to)
+        for s, (token, head, n, start, count, read, write) in enumerate(zip(*(t.tolist() for t in columns))):
+            keys, values = self.gather(layer, cache, page_slots(call.page_table[s].tolist(), n, bs))
+            own = proximal_logits(query[token, head * group : (head + 1) * group], keys, impl.scale)
+            if write >= 0:
+                call.distant_logits[write, :, :count] = own[:, start : start + count]
+            far = far_values = None
+            if read >= 0 and count:
+                far = call.distant_logits[read, :, :count]
+                pairs = page_slots(call.value_table[s].tolist(), -(-count // 2), bs)
+                even, odd = self.gather(layer, cache, pairs)
+                far_values = torch.stack([even, odd], dim=1).flatten(0, 1)[:count]
+            result, skipped[s] = attend_shared(own, values, far, far_values, call.tau)
+            out[token, head * group : (head + 1) * group] = result.to(out.dtype)
+        return skipped
 
     def new_token_weights(self, layer, query, cache, batch, rows):
         """The fused kernel returns no weights: recompute them from the keys, read in place by the C++

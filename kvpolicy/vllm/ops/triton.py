@@ -21,9 +21,11 @@ from kvpolicy_triton import (
     PageGeometry,
     context_token_scores,
     gather_tokens,
+    gather_values,
     move_tokens,
     new_token_weights,
     paged_attention,
+    pod_attention,
     scatter_tokens,
     write_slots,
 )
@@ -161,6 +163,9 @@ class TritonOps(KVOps):
     def gather(self, layer, cache, slots):
         return gather_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots))
 
+    def gather_values(self, layer, cache, slots):
+        return gather_values(cache, cache_geometry(layer, cache), *_on(cache.device, slots))
+
     def scatter(self, layer, cache, slots, keys, values):
         scatter_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots, keys, values))
 
@@ -175,3 +180,11 @@ class TritonOps(KVOps):
     def context_scores(self, layer, query, cache, page_ids, token_idx, lengths):
         indices = _on(cache.device, token_idx, page_ids, lengths)
         return context_token_scores(query, cache, cache_geometry(layer, cache), *indices, self.impl.scale).double()
+
+    def pod_attention(self, layer, query, out, cache, call):
+        indices = _on(cache.device, *call.indices())
+        geometry = cache_geometry(layer, cache)
+        impl = self.impl
+        return pod_attention(
+            query, out, cache, geometry, *indices, call.distant_logits, impl.scale, impl.num_kv_heads, call.tau
+        )
