@@ -89,7 +89,7 @@ class KVPolicyAttention:
             if step.shared is None:
                 output = stock()
             else:
-                self.sharing.attend(layer, layer_idx, query, out, kv_cache, step, self.scale)
+                self.sharing.attend(layer, layer_idx, query, out, kv_cache, step)
             self.sharing.after_attention(layer, layer_idx, step)
             return output
         if step.per_head is None and not step.summed:

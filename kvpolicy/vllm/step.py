@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 
-from kvpolicy.paging import OffloadedRequest, OffloadPlan, PageCopies, RequestPages, SharedLayoutPlan, SharedPages
+from kvpolicy.paging import (
+    DecodeTables,
+    OffloadedRequest,
+    OffloadPlan,
+    PageCopies,
+    RequestPages,
+    SharedLayoutPlan,
+    SharedPages,
+)
 from kvpolicy.policies import Policy
 
 #: ``plan(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)``: the ops' own
@@ -200,15 +208,17 @@ class SharedBatch:
     whole KV buffer (``WorkerState.page_space``).
 
     ``rows``: virtual tokens (row, head); ``slots[l]`` where layer ``l`` writes the new K/V (global
-    one-head slots, in ``rows`` order). ``distant_logits`` fills as the step runs: (row, head,
-    layer) -> a lowest layer's scaled logits of the distant tokens, [G, n_d], for the layers above it.
+    one-head slots, in ``rows`` order); ``tables``: the rows' pages for ``KVOps.pod_attention``, one
+    sequence per virtual token. ``distant_logits`` is made by the step's first layer, where the cache
+    is: the lowest layers' scaled logits of the distant tokens, read by the layers above them.
     """
 
     token_idx: torch.Tensor
     rows: HeadRows
     requests: list[SharedPages]
     slots: torch.Tensor
-    distant_logits: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    tables: DecodeTables
+    distant_logits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -83,39 +83,40 @@ class SharedAttentionRecords:
 
 
 def capture_shared_attention() -> SharedAttentionRecords:
-    """Wrap the sharing path so that its per-head attention is recorded with its inputs (the query and
-    keys its proximal logits come from) and its output."""
+    """Wrap the sharing path so that each per-head attention of the first row is recorded with its inputs
+    (the query, and the keys and values it read, gathered again from its pages) and its output."""
+    import torch
+
     from kvpolicy.vllm.modes import share as sharing
+    from kvpolicy.vllm.state import WORKER_STATE
 
     capture = SharedAttentionRecords()
-    attend_layer, logits_of, attend = sharing.SharingPath._attend_shared, sharing.proximal_logits, sharing.attend_shared
-    calls, pending = [], {}
+    attend_layer = sharing.SharingPath._attend_shared
 
-    def recording_layer(self, layer, layer_idx, query, out, shared, scale):
-        capture.layer = layer_idx
-        calls.clear()
-        attend_layer(self, layer, layer_idx, query, out, shared, scale)
-        if not capture.step_done:
-            heads = len(shared.rows.head_of) // len(shared.requests)
-            for head, (inputs, result) in enumerate(calls[:heads]):  # the first row's heads
-                capture.records[layer_idx, head] = {**inputs, "out": result, "distant": shared.requests[0].distant}
-            capture.step_done = layer_idx == len(self._lowest) - 1
-
-    def recording_logits(query, keys, scale):
-        pending.update(query=query.clone(), keys=keys.clone(), scale=scale)
-        return logits_of(query, keys, scale)
-
-    def recording_attend(own, values, distant_logits, distant_values, tau=None):
-        result = attend(own, values, distant_logits, distant_values, tau)
-        tensors = {"values": values, "distant_logits": distant_logits, "distant_values": distant_values}
-        calls.append(
-            ({**pending} | {n: None if t is None else t.clone() for n, t in tensors.items()}, result[0].clone())
-        )
-        return result
+    def recording_layer(self, layer, layer_idx, query, out, shared):
+        attend_layer(self, layer, layer_idx, query, out, shared)
+        if capture.step_done:
+            return
+        pages, request, tables = WORKER_STATE.page_space().pages, shared.requests[0], shared.tables
+        heads = len(shared.rows.head_of) // len(shared.requests)
+        group = query.shape[1] // heads
+        token = int(shared.token_idx[0])
+        for head, slots in enumerate(request.main_slots(layer_idx)):
+            keys, values = self.ops.gather(layer, pages, slots)
+            rows = slice(head * group, (head + 1) * group)
+            record = {"query": query[token, rows].clone(), "keys": keys, "values": values, "scale": self.ops.impl.scale}
+            source = int(tables.read_from[layer_idx, head])
+            if source >= 0:
+                even, odd = self.ops.gather(layer, pages, request.value_slots(layer_idx, head))  # values 2j, 2j + 1
+                record["distant_logits"] = shared.distant_logits[source, :, : request.num_distant].clone()
+                record["distant_values"] = torch.stack([even, odd], dim=1).flatten(0, 1)[: request.num_distant]
+            else:
+                record["distant_logits"] = record["distant_values"] = None
+            record.update(out=out[token, rows].clone(), distant=request.distant)
+            capture.records[layer_idx, head] = record
+        capture.step_done = layer_idx == len(self._lowest) - 1
 
     sharing.SharingPath._attend_shared = recording_layer
-    sharing.proximal_logits = recording_logits
-    sharing.attend_shared = recording_attend
     return capture
 
 

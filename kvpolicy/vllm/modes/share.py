@@ -5,9 +5,10 @@ and builds each step from vLLM's batch: after the last layer of the step that co
 tokens move into ``SharedPages`` over the whole KV buffer: every token in each block's lowest layer, the
 proximal ones elsewhere, with the distant values packed two per slot; the connector then hands back the
 blocks the layout no longer uses. In decode, ``SharingPath`` has each layer write the new K/V into the
-request's main sequences and attend in torch (``pod.attend_shared``): a block's lowest layer over
-everything, keeping its distant logits for the layers above it; those layers over their own proximal keys
-plus the shared logits and their own distant values. All cache reads and writes go through ``KVOps``.
+request's main sequences and make one ``KVOps.pod_attention`` call for every decode row and KV head
+(eq. 3-4): a block's lowest layer over everything, storing its distant logits in the step's buffer for
+the layers above it; those layers over their own proximal keys plus the shared logits and their own
+distant values. All cache reads and writes go through ``KVOps``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import SharedLayoutPlan, SharedPages
-from kvpolicy.policies.pod import LayerGroups, attend_shared, proximal_gate, proximal_logits
+from kvpolicy.paging import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WORKER_STATE, BlockRelease
-from kvpolicy.vllm.step import HeadRows, SharedBatch, SharingStep
+from kvpolicy.vllm.step import HeadRows, SharedAttention, SharedBatch, SharingStep
 
 
 @dataclass
@@ -48,6 +48,10 @@ class Share(ModeState[SharedRequest]):
     def keeps_distant_keys(self) -> np.ndarray:
         """[layers, heads]: PoD's (layer, head) pairs that are the lowest of their block."""
         return np.array(self.policy.layer_groups().keeps_distant_keys())
+
+    @functools.cached_property
+    def distant_logit_rows(self) -> DistantLogitRows:
+        return DistantLogitRows.of(np.array(self.policy.layer_groups().lowest()))
 
     def build(self, batch: HostBatch, shape: StepShape) -> SharingStep | None:
         """Decode rows of laid-out requests attend on the sharing path; a request whose computed tokens
@@ -100,8 +104,7 @@ class Share(ModeState[SharedRequest]):
         self.worker.releases[row.req_id] = BlockRelease(pages, length=row.seq_len, prompt_done=True)
         return layout
 
-    @staticmethod
-    def _shared_batch(decoding: list[tuple[Row, SharedPages]], batch: HostBatch, shape: StepShape) -> SharedBatch:
+    def _shared_batch(self, decoding: list[tuple[Row, SharedPages]], batch: HostBatch, shape: StepShape) -> SharedBatch:
         heads = shape.num_kv_heads
         token_idx = torch.tensor([row.first_token for row, _ in decoding], dtype=torch.int64)
         slots = torch.stack([pages.append() for _, pages in decoding], dim=1)  # [layers, rows, heads]
@@ -114,6 +117,7 @@ class Share(ModeState[SharedRequest]):
             ),
             [pages for _, pages in decoding],
             slots.reshape(shape.num_layers, -1),
+            DecodeTables.of([pages for _, pages in decoding], self.distant_logit_rows),
         )
 
 
@@ -122,79 +126,57 @@ class SharingPath:
         self.ops = ops
 
     @functools.cached_property
-    def _groups(self) -> LayerGroups:
-        return WORKER_STATE.policy.layer_groups()
-
-    @functools.cached_property
     def _lowest(self) -> np.ndarray:
         """[layer, head]: the lowest layer of the block each (layer, head) belongs to."""
-        return np.array(self._groups.lowest())
+        return np.array(WORKER_STATE.policy.layer_groups().lowest())
 
     @functools.cached_property
-    def _shared_from(self) -> np.ndarray:
-        """[layer, head]: whether some layer above reuses this (layer, head)'s distant logits."""
-        used = np.zeros_like(self._lowest, dtype=bool)
-        for layer, head in self._groups.reused():
-            used[layer, head] = True
-        return used
+    def _sharing_heads(self) -> np.ndarray:
+        """[layer]: how many of its KV heads attend with a lower layer's distant logits."""
+        return (DistantLogitRows.of(self._lowest).read >= 0).sum(axis=1)
 
     def write(self, layer, layer_idx: int, key, value, shared: SharedBatch) -> None:
         """The decode rows' new K/V at the end of their main sequences."""
         pages = WORKER_STATE.page_space().pages
         self.ops.write(layer, pages, key, value, shared.rows, shared.slots[layer_idx])
 
-    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SharingStep, scale: float) -> None:
+    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SharingStep) -> None:
         """Stock rows as usual, decode rows per KV head (eq. 3-4)."""
         self.ops.attend(layer, query, out, kv_cache, step.stock)
         if step.shared is not None:
-            self._attend_shared(layer, layer_idx, query, out, step.shared, scale)
+            self._attend_shared(layer, layer_idx, query, out, step.shared)
 
     def after_attention(self, layer, layer_idx: int, step: SharingStep) -> None:
         """After the last layer, lay out the prompts that completed this step."""
         if step.layouts and layer_idx == len(self._lowest) - 1:
             self._lay_out(layer, step)
 
-    def _attend_shared(self, layer, layer_idx: int, query, out, shared: SharedBatch, scale: float) -> None:
-        pages = WORKER_STATE.page_space().pages
+    def _attend_shared(self, layer, layer_idx: int, query, out, shared: SharedBatch) -> None:
+        tables = shared.tables
+        group = query.shape[1] // self._lowest.shape[1]
+        if shared.distant_logits is None:  # the step's first layer
+            shared.distant_logits = torch.empty(
+                tables.logit_rows, group, tables.max_distant, dtype=torch.float32, device=query.device
+            )
         tau = WORKER_STATE.policy.tau
+        call = SharedAttention(
+            shared.rows.token_of,
+            shared.rows.head_of,
+            tables.page_table[layer_idx],
+            tables.seq_lens[layer_idx],
+            tables.value_table[layer_idx],
+            tables.distant_start,
+            tables.distant_count,
+            tables.read_from[layer_idx],
+            tables.write_to[layer_idx],
+            shared.distant_logits,
+            tau,
+        )
+        skipped = self.ops.pod_attention(layer, query, out, WORKER_STATE.page_space().pages, call)
         counters = WORKER_STATE.counters
-        heads = len(shared.rows.head_of) // len(shared.requests)
-        group = query.shape[1] // heads
-        lowest, shared_from = self._lowest[layer_idx], self._shared_from[layer_idx]
-        for row, (token, request) in enumerate(zip(shared.token_idx.tolist(), shared.requests)):
-            main = request.main_slots(layer_idx)
-            keys, values = self.ops.gather(layer, pages, torch.cat(main))
-            lengths = [slots.numel() for slots in main]
-            keys, values = keys.split(lengths), values.split(lengths)
-            start, end = request.distant
-            for head in range(heads):
-                own = proximal_logits(query[token, head * group : (head + 1) * group], keys[head], scale)
-                source = int(lowest[head])
-                if source == layer_idx:
-                    if shared_from[head] and end > start:
-                        shared.distant_logits[row, head, layer_idx] = own[:, start:end]
-                    result, _ = attend_shared(own, values[head], None, None)
-                else:
-                    distant_logits = shared.distant_logits[row, head, source]
-                    counters["pod_distant_evaluated"] += group
-                    if tau is not None and bool((proximal_gate(own, distant_logits) >= tau).all()):
-                        counters["pod_distant_skipped"] += group
-                        result, _ = attend_shared(own, values[head], None, None)
-                    else:
-                        result, skipped = attend_shared(
-                            own,
-                            values[head],
-                            distant_logits,
-                            self._distant_values(layer, pages, request, layer_idx, head),
-                            tau,
-                        )
-                        counters["pod_distant_skipped"] += int(skipped.sum())
-                out[token, head * group : (head + 1) * group] = result.to(out.dtype)
-
-    def _distant_values(self, layer, pages, request, layer_idx: int, head: int) -> torch.Tensor:
-        """A sharing (layer, head)'s distant values in position order, unpacked from their pairs."""
-        even, odd = self.ops.gather(layer, pages, request.value_slots(layer_idx, head))
-        return torch.stack([even, odd], dim=1).flatten(0, 1)[: request.num_distant]
+        counters["pod_distant_evaluated"] += int(self._sharing_heads[layer_idx]) * len(shared.requests) * group
+        if tau is not None:
+            counters["pod_distant_skipped"] += int(skipped.sum())
 
     def _lay_out(self, layer, step: SharingStep) -> None:
         """Move each completed prompt into its shared layout: every source read before any destination is written."""
@@ -204,8 +186,8 @@ class SharingPath:
             keys, values = self.ops.gather(layer, pages, plan.tokens.src)
             pairs = plan.values
             if pairs.dst.numel():
-                _, even = self.ops.gather(layer, pages, pairs.even)
-                _, odd = self.ops.gather(layer, pages, pairs.odd)
+                even = self.ops.gather_values(layer, pages, pairs.even)
+                odd = self.ops.gather_values(layer, pages, pairs.odd)
             else:
                 even = odd = None
             read.append((plan, keys, values, even, odd))
