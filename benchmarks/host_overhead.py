@@ -52,7 +52,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvpolicy.vllm.ops.triton as triton_ops  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from kvpolicy.config import KVPolicyConfig  # noqa: E402
-from kvpolicy.paging import RequestPages  # noqa: E402
 from kvpolicy.vllm.modes.relocate_path import PerHeadPath  # noqa: E402
 from kvpolicy.vllm.ops import staging  # noqa: E402
 from kvpolicy.vllm.state import WORKER_STATE  # noqa: E402
@@ -195,7 +194,7 @@ class SyntheticEngine:
         )
         if compressed:
             layers, heads, block = SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["block_size"]
-            pages = RequestPages(layers, heads, block, table[: -(-CONTEXT // block)])
+            pages = WORKER_STATE.mode.new_pages(table[: -(-CONTEXT // block)], None, None, self.builder.shape)
             for layer, counts in enumerate(uneven_head_lengths(self.rng, layers, heads, BUDGET)):
                 pages.relocate(layer, [torch.arange(int(n)) for n in counts])
             WORKER_STATE.mode.track(req_id).pages = pages

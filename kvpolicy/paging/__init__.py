@@ -2,6 +2,7 @@
 
 from kvpolicy.paging.layout import PageLayout
 from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall
+from kvpolicy.paging.page_store import PageStore
 from kvpolicy.paging.page_table import RequestPages, TokenMoves, stock_slots, write_order
 from kvpolicy.paging.shared import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages, ValuePairs
 
@@ -13,6 +14,7 @@ __all__ = [
     "OffloadedRequest",
     "PageCopies",
     "PageLayout",
+    "PageStore",
     "RequestPages",
     "SharedLayoutPlan",
     "SharedPages",

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvpolicy.paging.block_pages import drop_blocks
+from kvpolicy.paging.page_store import PageStore
 
 
 def stock_slots(
@@ -70,7 +71,13 @@ class TokenMoves:
 
 
 class RequestPages:
-    """Per-(layer, kv head) pages and physical lengths of one request."""
+    """Per-(layer, kv head) pages and physical lengths of one request: a row of a ``PageStore``.
+
+    What changes at every step (lengths, page tables, free pages) lives in the
+    store's batch-wide arrays, so a step appends to every request at once
+    (``PageStore.append``); what changes only at relocation and release (the
+    blocks, the write order) lives here.
+    """
 
     def __init__(
         self,
@@ -80,34 +87,62 @@ class RequestPages:
         blocks: Sequence[int],
         order: Sequence[int] | None = None,
         layer_base: Sequence[int] | None = None,
+        store: PageStore | None = None,
     ):
         """``order``: the block-table positions relocation may write, in the order it fills them
         (``write_order``); by default every block, in table order. ``layer_base``: each layer's first
         page in vLLM's whole KV buffer: page ids then index that buffer and every layer draws on one
-        pool; None: they index the layer's own cache and each layer has its own."""
+        pool; None: they index the layer's own cache and each layer has its own. ``store``: the
+        worker's rows of relocated requests (a store of its own by default)."""
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.block_size = block_size
         self.pools_layers = layer_base is not None
-        self.layer_base = list(layer_base) if self.pools_layers else [0] * num_layers
+        if store is None:
+            store = PageStore(num_layers, num_heads, block_size, self.pools_layers, rows=1)
+        shape = (store.num_layers, store.num_heads, store.block_size, store.pools_layers)
+        if shape != (num_layers, num_heads, block_size, self.pools_layers):
+            raise ValueError(f"a request of shape {(num_layers, num_heads, block_size)} in a store of {shape[:3]}")
+        self.store = store
+        self.row = store.add(self)  # the store moves it (``PageStore.arrange``)
+        self.layer_base = np.asarray(list(layer_base) if self.pools_layers else [0] * num_layers, dtype=np.int64)
         self.blocks: list[int | None] = []  # by vLLM block-table position; None once released
-        self.lengths = np.zeros((num_layers, num_heads), dtype=np.int64)
-        self.head_pages: list[list[list[int]]] = [[[] for _ in range(num_heads)] for _ in range(num_layers)]
-        self.free: list[list[int]] = [[] for _ in range(1 if self.pools_layers else num_layers)]  # by pool
-        self._keys: list[dict[int, int] | None] = [None] * len(self.free)  # ``_write_keys``; None once blocks change
+        self._keys: list[dict[int, int] | None] = [None] * store.num_pools  # ``_write_keys``; None once blocks change
         self.relocated = [False] * num_layers
-        self._table: np.ndarray | None = None  # head_pages as an array; None once pages change
         self.order: list[int] = list(range(len(blocks)) if order is None else order)
         self.add_blocks(blocks, writable=False)
 
+    def close(self) -> None:
+        """Hand the request's row of the store back."""
+        self.store.remove(self.row)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[layers, heads] tokens each head holds (a view of the store's row)."""
+        return self.store.lengths[:, self.row]
+
+    @property
+    def head_pages(self) -> list[list[list[int]]]:
+        """[layer][head] the pages each head reads, in order."""
+        row = self.row
+        return [
+            [self.store.head_pages(layer, row, h) for h in range(self.num_heads)] for layer in range(self.num_layers)
+        ]
+
+    @property
+    def free(self) -> list[list[int]]:
+        """By pool: the pages no head holds yet, in the order heads take them."""
+        return [self.store.free_pages(pool, self.row) for pool in range(self.store.num_pools)]
+
     def _pool(self, layer: int) -> int:
-        return 0 if self.pools_layers else layer
+        return self.store.pool(layer)
 
     def _pool_layers(self, pool: int) -> range:
         return range(self.num_layers) if self.pools_layers else range(pool, pool + 1)
 
     def _layer_pages(self, layer: int, block: int) -> list[int]:
-        return [self.layer_base[layer] + block * self.num_heads + h for h in range(self.num_heads)]
+        first = int(self.layer_base[layer]) + block * self.num_heads
+        return list(range(first, first + self.num_heads))
 
     def _pages_of(self, block: int, pool: int) -> list[int]:
         """The pages of ``block`` in ``pool``: its part of one layer's cache, or of every layer's."""
@@ -116,13 +151,16 @@ class RequestPages:
     def add_blocks(self, blocks: Sequence[int], writable: bool = True) -> None:
         """Blocks vLLM appended to the request: new, so writable and their pages free in every pool (the
         prompt's blocks, added at construction, are not: they hold its tokens and ``order`` says which to write)."""
-        for block in blocks:
-            if writable:
-                self.order.append(len(self.blocks))
-                for pool, free in enumerate(self.free):
-                    free.extend(self._pages_of(int(block), pool))
-            self.blocks.append(int(block))
-        self._keys = [None] * len(self.free)
+        if writable and len(blocks):
+            self.order.extend(range(len(self.blocks), len(self.blocks) + len(blocks)))
+            firsts = self.layer_base[:, None] + np.asarray(blocks, dtype=np.int64)[None, :] * self.num_heads
+            pages = firsts[:, :, None] + np.arange(self.num_heads)  # [layers, blocks, heads]
+            by_pool = (
+                pages.transpose(1, 0, 2).reshape(1, -1) if self.pools_layers else pages.reshape(self.num_layers, -1)
+            )
+            self.store.extend_free(self.row, by_pool)
+        self.blocks.extend(int(block) for block in blocks)
+        self._keys = [None] * self.store.num_pools
 
     def _live_order(self) -> list[int]:
         """Block-table positions relocation may write and not yet released, in the order it fills them."""
@@ -146,16 +184,16 @@ class RequestPages:
     def _held(self, layer: int) -> list[int]:
         """Pages a layer's tokens occupy: before its first relocation its part of every block."""
         if self.relocated[layer]:
-            return [p for pages in self.head_pages[layer] for p in pages]
+            return [p for h in range(self.num_heads) for p in self.store.head_pages(layer, self.row, h)]
         return [p for block in self.blocks if block is not None for p in self._layer_pages(layer, block)]
 
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
         heads = torch.tensor([head])
-        return stock_slots(blocks, self.num_heads, self.block_size, positions, heads, self.layer_base[layer])[0]
+        return stock_slots(blocks, self.num_heads, self.block_size, positions, heads, int(self.layer_base[layer]))[0]
 
     def _head_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
-        pages = torch.tensor(self.head_pages[layer][head], dtype=torch.int64)
+        pages = torch.tensor(self.store.head_pages(layer, self.row, head), dtype=torch.int64)
         return pages[torch.div(positions, self.block_size, rounding_mode="floor")] * self.block_size + (
             positions % self.block_size
         )
@@ -182,8 +220,10 @@ class RequestPages:
         """``relocate``'s destinations alone: head h's new sequence is ``counts[h]`` tokens packed densely
         from its first page; their slots, concatenated. A caller that holds the kept indices where the cache
         is takes the sources from ``current_slots`` of every token, read before this call."""
-        keys = self._write_keys(self._pool(layer))
-        candidates = set(self._held(layer)).union(self.free[self._pool(layer)]).intersection(keys)
+        pool_id = self._pool(layer)
+        keys = self._write_keys(pool_id)
+        free = self.store.free_pages(pool_id, self.row)
+        candidates = set(self._held(layer)).union(free).intersection(keys)
         pool = sorted(candidates, key=keys.__getitem__)
         needed = [math.ceil(n / self.block_size) for n in counts]
         if sum(needed) > len(pool):
@@ -192,38 +232,19 @@ class RequestPages:
             )
         dst, cursor = [], 0
         for head, (n, n_pages) in enumerate(zip(counts, needed)):
-            self.head_pages[layer][head] = pool[cursor : cursor + n_pages]
-            self.lengths[layer, head] = n
+            self.store.set_head_pages(layer, self.row, head, pool[cursor : cursor + n_pages])
+            self.store.lengths[layer, self.row, head] = n
             cursor += n_pages
             dst.append(self._head_slots(layer, head, torch.arange(n, dtype=torch.int64)))
-        self.free[self._pool(layer)] = pool[cursor:]
+        self.store.set_free(pool_id, self.row, pool[cursor:])
         self.relocated[layer] = True
-        self._table = None
         return torch.cat(dst)
 
     def append(self, count: int = 1) -> np.ndarray:
         """Room for ``count`` new tokens in every (layer, head); returns their slots, [layers, count, heads].
-
-        Runs at every decode step of every relocated request: the slots come
-        from the page-table array in one lookup, and only heads that cross a
-        page boundary take a free page.
-        """
-        positions = self.lengths[:, :, None] + np.arange(count)  # [layers, heads, count]
-        table = self._page_table()
-        missing = -(-(self.lengths + count) // self.block_size) - self._page_counts()
-        for layer, head in np.argwhere(missing > 0):
-            free = self.free[self._pool(layer)]
-            if missing[layer, head] > len(free):
-                raise RuntimeError(f"no free page left in layer {layer}: the request outgrew its blocks")
-            pages = self.head_pages[layer][head]
-            taken = free[: missing[layer, head]]
-            del free[: missing[layer, head]]
-            table = self._grown_table(len(pages) + len(taken))
-            table[layer, head, len(pages) : len(pages) + len(taken)] = taken
-            pages.extend(taken)
-        page_ids = np.take_along_axis(table, positions // self.block_size, axis=2)
-        self.lengths += count
-        return (page_ids * self.block_size + positions % self.block_size).transpose(0, 2, 1)
+        A step of many requests appends to them all at once (``PageStore.append``)."""
+        slots = self.store.append(np.array([self.row]), np.array([count]))
+        return slots.reshape(self.num_layers, self.num_heads, count).transpose(0, 2, 1)
 
     def pack(self) -> TokenMoves:
         """With one pool for every layer: move the pages held in blocks past the fewest that hold them
@@ -235,26 +256,30 @@ class RequestPages:
         if not (self.pools_layers and all(self.relocated)):
             raise RuntimeError("pack needs pages pooled across layers (layer_base), every layer relocated")
         keys = self._write_keys(0)
+        head_pages = self.head_pages
         held = [
             (layer, head, i, page)
             for layer in range(self.num_layers)
             for head in range(self.num_heads)
-            for i, page in enumerate(self.head_pages[layer][head])
+            for i, page in enumerate(head_pages[layer][head])
         ]
         per_block = self._per_block(0)
         end = math.ceil(len(held) / per_block) * per_block  # the keys of the pages of the fewest blocks
-        holes = iter(p for p in self.free[0] if keys[p] < end)
-        src, dst = [], []
+        free = self.free[0]
+        holes = iter(p for p in free if keys[p] < end)
+        src, dst, changed = [], [], set()
         for layer, head, i, page in held:
             if keys[page] >= end:
                 hole = next(holes)
-                self.head_pages[layer][head][i] = hole
+                head_pages[layer][head][i] = hole
+                changed.add((layer, head))
                 src.append(page)
                 dst.append(hole)
         if dst:
+            for layer, head in changed:
+                self.store.set_head_pages(layer, self.row, head, head_pages[layer][head])
             filled = set(dst)
-            self.free[0] = sorted([p for p in self.free[0] if p not in filled] + src, key=keys.__getitem__)
-            self._table = None
+            self.store.set_free(0, self.row, sorted([p for p in free if p not in filled] + src, key=keys.__getitem__))
         whole = len(src) * self.block_size
         return TokenMoves(page_slots(src, whole, self.block_size), page_slots(dst, whole, self.block_size))
 
@@ -271,7 +296,7 @@ class RequestPages:
         those spares cover the request from then on. While a prompt is still
         read a chunk at a time (``length`` None), one whole block is spare.
         """
-        counts = self._page_counts()
+        counts = self._page_counts().astype(np.int64)
         if length is None:
             pages = counts.sum(axis=1) + self.num_heads
         else:
@@ -284,13 +309,13 @@ class RequestPages:
     def release_except(self, keep: set[int]) -> int:
         """Stop using every block-table position not in ``keep``; returns how many were live."""
         dropped = drop_blocks(self.blocks, keep)
-        self._keys = [None] * len(self.free)
+        self._keys = [None] * self.store.num_pools
         for pool, free in enumerate(self.free):
             gone = {p for block in dropped for p in self._pages_of(block, pool)}
             for layer in self._pool_layers(pool):
-                if any(p in gone for pages in self.head_pages[layer] for p in pages):
+                if any(p in gone for h in range(self.num_heads) for p in self.store.head_pages(layer, self.row, h)):
                     raise RuntimeError(f"a released block still holds pages of layer {layer}")
-            self.free[pool] = [p for p in free if p not in gone]
+            self.store.set_free(pool, self.row, [p for p in free if p not in gone])
         return len(dropped)
 
     def live_blocks(self) -> int:
@@ -300,37 +325,16 @@ class RequestPages:
     def kept_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def _page_table(self) -> np.ndarray:
-        """``head_pages`` as one array [layers, heads, most pages], -1 past each head's pages."""
-        if self._table is None:
-            width = max(1, max(len(pages) for layer in self.head_pages for pages in layer))
-            table = np.full((self.num_layers, self.num_heads, width), -1, dtype=np.int64)
-            for layer, heads in enumerate(self.head_pages):
-                for head, pages in enumerate(heads):
-                    table[layer, head, : len(pages)] = pages
-            self._table = table
-        return self._table
-
-    def _grown_table(self, width: int) -> np.ndarray:
-        """The page-table array, at least ``width`` pages wide (doubling, so decode rarely copies it):
-        ``append`` writes the pages it takes into it rather than rebuilding it from ``head_pages``."""
-        table = self._page_table()
-        if width > table.shape[2]:
-            grown = np.full((*table.shape[:2], max(width, 2 * table.shape[2])), -1, dtype=np.int64)
-            grown[:, :, : table.shape[2]] = table
-            self._table = table = grown
-        return table
-
     def page_table(self, width: int) -> np.ndarray:
         """[layers, heads, width] page ids of every layer, zero-padded: the per-head calls' block tables."""
-        table = self._page_table()[:, :, :width]
+        table = self.store.table_of_rows(self.row)[:, :, :width]
         padded = np.zeros((self.num_layers, self.num_heads, width), dtype=np.int32)
-        padded[:, :, : table.shape[2]] = np.maximum(table, 0)
+        padded[:, :, : table.shape[2]] = table
         return padded
 
     def _page_counts(self) -> np.ndarray:
         """[layers, heads] pages each head holds."""
-        return (self._page_table() >= 0).sum(axis=2)
+        return self.store.counts[:, self.row]
 
     def max_pages(self) -> int:
         return int(self._page_counts().max())

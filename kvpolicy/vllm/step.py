@@ -21,6 +21,7 @@ from kvpolicy.paging import (
     OffloadedRequest,
     OffloadPlan,
     PageCopies,
+    PageStore,
     RequestPages,
     SharedLayoutPlan,
     SharedPages,
@@ -73,7 +74,9 @@ class PerHeadBatch:
     Virtual tokens (``rows``) are ordered by (request, head, position), so each
     virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
     attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
-    virtual-token order). ``req_ids``: the relocated requests, in order.
+    virtual-token order). ``req_ids``: the relocated requests, in order. Each layer's
+    ``block_table`` is a view of ``store``'s tables (its first rows, in this order),
+    which the ops keep on the device by their changes (``ops/staging.TableMirror``).
     """
 
     token_idx: torch.Tensor
@@ -81,6 +84,7 @@ class PerHeadBatch:
     layers: list[AttentionBatch]
     slots: torch.Tensor
     req_ids: list[str]
+    store: PageStore
 
 
 @dataclass
@@ -268,10 +272,14 @@ Step = RelocatingStep | SelectingStep | SharingStep
 
 def step_tensors(step: Step):
     """Every tensor a step's records hold, their plans' included: what the ops may ask for on the device
-    (``KVOps.stage``). Policies and page tables are not records of the step and are not searched."""
-    pending = [step]
+    (``KVOps.stage``), each once (the per-head calls of every layer share their token indices and plans).
+    Policies and page stores are not records of the step and are not searched."""
+    pending, seen = [step], set()
     while pending:
         item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
         if isinstance(item, torch.Tensor):
             yield item
         elif isinstance(item, (list, tuple)):

@@ -78,7 +78,9 @@ def decode_step(pages: RequestPages) -> RelocatingStep:
         AttentionBatch(torch.tensor([0]), qsl, lengths[layer].int(), torch.zeros(H, 1), 1, None)
         for layer in range(LAYERS)
     ]
-    return RelocatingStep(per_head=PerHeadBatch(torch.tensor([0]), rows, layers, torch.zeros(LAYERS, H), [REQ]))
+    return RelocatingStep(
+        per_head=PerHeadBatch(torch.tensor([0]), rows, layers, torch.zeros(LAYERS, H), [REQ], pages.store)
+    )
 
 
 @pytest.mark.parametrize("policy", ["identity", "streaming", "snapkv", "pyramid", "keydiff", "h2o"])

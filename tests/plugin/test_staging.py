@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvpolicy.paging import PageStore, RequestPages
 from kvpolicy.vllm.ops import staging
-from kvpolicy.vllm.ops.staging import StagedStep
+from kvpolicy.vllm.ops.staging import StagedStep, TableMirror
 from kvpolicy.vllm.ops.triton import TritonOps, plan_virtual_sequences
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, step_tensors
 
@@ -19,7 +20,9 @@ def per_head_step(layers: int = 4, rows: int = 3, heads: int = 2, width: int = 5
     """A decode step's records as the builder makes them: per-layer slices of one lengths array and one table."""
     rng = np.random.default_rng(0)
     lengths = torch.from_numpy(rng.integers(1, width * 16, size=(layers, rows * heads)).astype(np.int32))
-    tables = torch.from_numpy(rng.integers(0, 1000, size=(layers, rows * heads, width)).astype(np.int32))
+    store = PageStore(layers, heads, 16, pools_layers=False, rows=rows)
+    store.tables = rng.integers(0, 1000, size=(layers, rows * heads, width)).astype(np.int32)
+    tables = torch.from_numpy(store.tables)
     token_idx = torch.arange(rows)
     qsl = torch.arange(rows * heads + 1, dtype=torch.int32)
     calls = [
@@ -44,7 +47,9 @@ def per_head_step(layers: int = 4, rows: int = 3, heads: int = 2, width: int = 5
         2,
         plan_virtual_sequences(torch.zeros(1, dtype=torch.int32), torch.zeros(0), stock_table[:0], 2, 4),
     )
-    return RelocatingStep(stock=stock, per_head=PerHeadBatch(token_idx, head_rows, calls, slots, ["a", "b", "c"]))
+    return RelocatingStep(
+        stock=stock, per_head=PerHeadBatch(token_idx, head_rows, calls, slots, ["a", "b", "c"], store)
+    )
 
 
 def test_every_view_of_a_staged_storage_reads_the_one_copy():
@@ -102,3 +107,35 @@ def test_the_triton_ops_read_the_staged_copy_when_there_is_one(staged_step):
     assert torch.equal(slots, step.per_head.slots[0])
     shares = slots.untyped_storage().data_ptr() == step.per_head.slots.untyped_storage().data_ptr()
     assert shares != staged_step
+
+
+def test_the_device_tables_follow_the_store_by_its_changes():
+    """The page tables reach the device whole once; later steps carry the rows that moved or were rewritten
+    and the entries appends wrote, and the device's tables equal the host's after every step."""
+    layers, heads, block_size = 3, 2, 4
+    store = PageStore(layers, heads, block_size, pools_layers=False)
+    requests = [RequestPages(layers, heads, block_size, list(range(8 * i, 8 * i + 8)), store=store) for i in range(6)]
+    rng = np.random.default_rng(0)
+    for pages in requests:
+        for layer in range(layers):
+            pages.relocate(layer, [torch.arange(int(n)) for n in rng.integers(1, 20, size=heads)])
+    mirror, device = TableMirror(), torch.device("cpu")
+    sent = []
+    real = staging.copy_to
+    staging.copy_to = lambda device, tensors: sent.append(sum(t.nbytes for t in tensors)) or real(device, tensors)
+    try:
+        for step in range(12):
+            batch = [requests[i] for i in rng.permutation(len(requests))[: rng.integers(1, len(requests) + 1)]]
+            if step == 5:
+                batch[0].relocate(1, [torch.arange(2)] * heads)  # a rewrite between steps
+            store.arrange(batch)
+            store.append(np.arange(len(batch)), np.ones(len(batch), dtype=np.int64))
+            staged = mirror.stage(store, [], device)
+            assert torch.equal(mirror.tables, torch.from_numpy(store.tables)), step
+            view = torch.from_numpy(store.tables)[1, : len(batch) * heads]
+            assert torch.equal(staged.on(view), view)
+            assert staged.on(view).untyped_storage().data_ptr() == mirror.tables.untyped_storage().data_ptr()
+    finally:
+        staging.copy_to = real
+    assert len(sent) == 12, "one copy per step"
+    assert max(sent[1:]) < sent[0] or len(set(sent)) > 1

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpolicy.paging import RequestPages, stock_slots
-from kvpolicy.policies import Policy
+from kvpolicy.paging import PageStore, RequestPages, stock_slots
+from kvpolicy.policies import Policy, Schedule
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
 from kvpolicy.vllm.state import BlockRelease
 from kvpolicy.vllm.step import (
@@ -62,7 +62,7 @@ class RelocatedRequest:
     uncompressed: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PerHeadRow:
     """A relocated request's row: it attends per head."""
 
@@ -80,13 +80,27 @@ class _Draft:
 
 
 class Relocate(ModeState[RelocatedRequest]):
-    """The relocating policies' requests, from their first prompt chunk on, and the builder of their steps."""
+    """The relocating policies' requests, from their first prompt chunk on, and the builder of their steps.
+    ``store``: the page tables of every relocated request, rows of batch-wide arrays."""
+
+    store: PageStore | None = None
 
     def new_request(self) -> RelocatedRequest:
         return RelocatedRequest()
 
     def pages_of(self, request: RelocatedRequest) -> RequestPages | None:
         return request.pages
+
+    def dropped(self, request: RelocatedRequest) -> None:
+        if request.pages is not None:
+            request.pages.close()
+
+    def new_pages(self, blocks: list[int], order: list[int] | None, layer_base, shape: StepShape) -> RequestPages:
+        """A relocated request's pages, a row of the worker's page store (made with the first)."""
+        if self.store is None:
+            self.store = PageStore(shape.num_layers, shape.num_kv_heads, shape.block_size, layer_base is not None)
+        args = (shape.num_layers, shape.num_kv_heads, shape.block_size, blocks, order, layer_base)
+        return RequestPages(*args, store=self.store)
 
     # What the per-head path reads and keeps of a request between layers and steps.
 
@@ -149,12 +163,13 @@ class Relocate(ModeState[RelocatedRequest]):
         attention; chunks before it stash their window queries or, for H2O/D2O on ops that can, are
         attended with their column sums."""
         draft = _Draft()
+        schedule = self.policy.schedule
         for row in self.rows(batch):
             request = self.requests.get(row.req_id)
             if row.idle or (request is not None and request.uncompressed):
                 continue
             if request is not None and request.pages is not None:
-                self._relocated_row(draft, row, request.pages, batch, shape)
+                self._relocated_row(draft, row, request.pages, batch, shape, schedule)
             elif row.start < row.prompt_len:
                 self._prompt_row(draft, row, batch, shape)
         if draft.per_head:
@@ -164,12 +179,16 @@ class Relocate(ModeState[RelocatedRequest]):
             draft.step.stock = shape.stock_batch(batch, away)
         return draft.step
 
-    def _relocated_row(self, draft: _Draft, row: Row, pages: RequestPages, batch: HostBatch, shape: StepShape) -> None:
+    def _relocated_row(
+        self, draft: _Draft, row: Row, pages: RequestPages, batch: HostBatch, shape: StepShape, schedule: Schedule
+    ) -> None:
         """A relocated request attends per head; an evicting policy runs a pass over it when it is over budget."""
-        pages.add_blocks(batch.block_table[row.index, len(pages.blocks) : shape.num_blocks(row.seq_len)].tolist())
+        num_blocks = shape.num_blocks(row.seq_len)
+        if num_blocks > len(pages.blocks):
+            pages.add_blocks(batch.block_table[row.index, len(pages.blocks) : num_blocks].tolist())
         draft.per_head.append(PerHeadRow(row, pages))
         reading = row.start < row.prompt_len
-        evicts = self.policy.schedule.per_chunk if reading else self.policy.schedule.in_decode
+        evicts = schedule.per_chunk if reading else schedule.in_decode
         if evicts and self._evicts_now(row, pages, reading, shape):
             done = reading and row.prompt_len <= row.seq_len
             self._relocate(draft, row, pages, prompt_done=done, length=None if reading and not done else row.seq_len)
@@ -202,7 +221,7 @@ class Relocate(ModeState[RelocatedRequest]):
             return
         layer_base = self.worker.page_space().layer_base if self.pools_layers else None
         blocks = batch.block_table[row.index, :num_blocks].tolist()
-        pages = RequestPages(shape.num_layers, shape.num_kv_heads, shape.block_size, blocks, order, layer_base)
+        pages = self.new_pages(blocks, order, layer_base, shape)
         self.track(row.req_id).pages = pages
         self._relocate(
             draft,
@@ -275,27 +294,29 @@ class Relocate(ModeState[RelocatedRequest]):
         over = lengths[:, 0] + row.query_len - np.asarray(self.requests[row.req_id].carried.budgets)
         return over.max() > 0 if reading else over.max() >= shape.block_size
 
-    @staticmethod
-    def _per_head_batch(rows: list[PerHeadRow], num_tokens: int, shape: StepShape) -> PerHeadBatch:
-        """``num_tokens``: the batch's query tokens."""
+    def _per_head_batch(self, rows: list[PerHeadRow], num_tokens: int, shape: StepShape) -> PerHeadBatch:
+        """The relocated rows' calls, vectorised over the batch: their rows of the page store go first, in
+        this order, and get room for the step's tokens in one ``append``; each layer's table is a view of
+        them. ``num_tokens``: the batch's query tokens."""
         heads, num_layers = shape.num_kv_heads, shape.num_layers
-        token_idx = torch.cat([torch.arange(r.row.first_token, r.row.first_token + r.row.query_len) for r in rows])
-        token_of, head_of, slots = [], [], []
-        for per_head in rows:
-            row = per_head.row
-            tokens = torch.arange(row.first_token, row.first_token + row.query_len)
-            token_of.append(tokens.repeat(heads))
-            head_of.append(torch.arange(heads).repeat_interleave(row.query_len))
-            # [layers, H*q]
-            slots.append(per_head.pages.append(row.query_len).transpose(0, 2, 1).reshape(num_layers, -1))
-        query_lens = torch.tensor([r.row.query_len for r in rows]).repeat_interleave(heads)
-        query_start_loc = torch.zeros(query_lens.numel() + 1, dtype=torch.int32)
-        query_start_loc[1:] = query_lens.cumsum(0)
-        lengths = np.stack([r.pages.lengths for r in rows], axis=1).reshape(num_layers, -1)
-        lengths = lengths.astype(np.int32)
+        store = rows[0].pages.store
+        store.arrange([per_head.pages for per_head in rows])
+        first = np.fromiter((r.row.first_token for r in rows), dtype=np.int64, count=len(rows))
+        query_lens = np.fromiter((r.row.query_len for r in rows), dtype=np.int64, count=len(rows))
+        slots = store.append(np.arange(len(rows)), query_lens)  # [layers, virtual tokens]
+        ends = np.cumsum(query_lens)
+        token_idx = np.repeat(first - (ends - query_lens), query_lens) + np.arange(int(ends[-1]))
+        per_row = heads * query_lens
+        entry = np.repeat(np.arange(len(rows)), per_row)
+        within = np.arange(entry.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        token_of = first[entry] + within % query_lens[entry]
+        head_of = within // query_lens[entry]
+        query_start_loc = torch.zeros(len(rows) * heads + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.from_numpy(np.cumsum(np.repeat(query_lens, heads)))
+        lengths = store.lengths[:, : len(rows)].reshape(num_layers, -1)  # a copy: this step's lengths
         all_seq_lens = torch.from_numpy(lengths)
-        width = max(r.pages.max_pages() for r in rows)
-        tables = torch.from_numpy(np.concatenate([r.pages.page_table(width) for r in rows], axis=1))
+        tables = torch.from_numpy(store.tables)[:, : len(rows) * heads]
+        token_idx = torch.from_numpy(token_idx)
         layers, by_lengths = [], {}
         for layer in range(num_layers):
             seq_lens = all_seq_lens[layer]
@@ -306,8 +327,9 @@ class Relocate(ModeState[RelocatedRequest]):
         whole_batch = token_idx.numel() == len(rows) == num_tokens  # one token per row, every row
         return PerHeadBatch(
             token_idx,
-            HeadRows(torch.cat(token_of), torch.cat(head_of), whole_batch),
+            HeadRows(torch.from_numpy(token_of), torch.from_numpy(head_of), whole_batch),
             layers,
-            torch.from_numpy(np.concatenate(slots, axis=1)),
+            torch.from_numpy(slots),
             [r.row.req_id for r in rows],
+            store,
         )

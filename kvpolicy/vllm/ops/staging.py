@@ -7,14 +7,19 @@ step waits behind each. ``StagedStep`` packs the bytes of every tensor of a
 step into one (pinned) host buffer, copies it once, and answers each later
 request for one of those tensors on the device with a view of that copy.
 Tensors made after the step was built (a relocation's moves) are copied on
-their own.
+their own. The page tables of relocated requests are not sent whole: the
+device keeps its own copy (``TableMirror``), and the step's copy carries only
+what changed in them since the last step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
+
+from kvpolicy.paging import PageStore
 
 #: Byte alignment of each storage's bytes in the staged buffer: a multiple of every element size.
 ALIGN = 16
@@ -41,11 +46,18 @@ class StagedStep:
     step's page tables, say) to the same view of the copy, without copying again.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor], device: torch.device):
+    def __init__(
+        self, tensors: Iterable[torch.Tensor], device: torch.device, mirrored: dict[int, torch.Tensor] | None = None
+    ):
+        """``mirrored``: host storage address -> the device's copy of that storage, kept by its owner: views of
+        it map to the same view of the copy and are not staged."""
         self.device = torch.device(device)
+        self.mirrored = mirrored or {}
         extents: dict[int, tuple[torch.Tensor, int, int]] = {}  # storage address -> (a tensor on it, first, end)
         for tensor in tensors:
             if tensor.device.type != "cpu" or not tensor.numel() or any(s < 0 for s in tensor.stride()):
+                continue
+            if tensor.untyped_storage().data_ptr() in self.mirrored:
                 continue
             first, end = _byte_extent(tensor)
             address = tensor.untyped_storage().data_ptr()
@@ -80,7 +92,12 @@ class StagedStep:
         return view
 
     def _view(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        region = self.regions.get(tensor.untyped_storage().data_ptr())
+        address = tensor.untyped_storage().data_ptr()
+        mirror = self.mirrored.get(address)
+        if mirror is not None:
+            view = torch.empty(0, dtype=tensor.dtype, device=self.device)
+            return view.set_(mirror.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        region = self.regions.get(address)
         if region is None or not tensor.numel():
             return None
         first, end, offset = region
@@ -101,3 +118,35 @@ class StagedStep:
                 staged = tensor if tensor.device == self.device else copy_to(self.device, [tensor])[0]
             out.append(staged)
         return out
+
+
+class TableMirror:
+    """A ``PageStore``'s tables on the device, brought up to date at each step by what changed on the host:
+    the rows that moved or were rewritten, whole, and the entries appends wrote one by one. The first step,
+    and a step after the tables grew, sends them whole."""
+
+    def __init__(self):
+        self.store: PageStore | None = None
+        self.tables: torch.Tensor | None = None
+
+    def stage(self, store: PageStore, step_tensors: list[torch.Tensor], device: torch.device) -> StagedStep:
+        """The step's staged copy with the store's changes in it, and the device's tables updated from them."""
+        changes = store.take_changes()
+        host = torch.from_numpy(store.tables)
+        if changes.resized or self.store is not store or self.tables is None or self.tables.shape != host.shape:
+            staged = StagedStep([*step_tensors, host], device)
+            self.store, self.tables = store, staged.on(host).clone()
+            staged.mirrored = {host.untyped_storage().data_ptr(): self.tables}
+            return staged
+        rows = np.fromiter(sorted(changes.rows), dtype=np.int64, count=len(changes.rows))
+        by_row = store.tables.reshape(store.num_layers, store.num_rows, -1)
+        flat = np.concatenate(changes.flat) if changes.flat else np.zeros(0, dtype=np.int64)
+        values = np.concatenate(changes.values) if changes.values else np.zeros(0, dtype=np.int32)
+        updates = [torch.from_numpy(array) for array in (rows, by_row[:, rows], flat, values)]
+        staged = StagedStep([*step_tensors, *updates], device, {host.untyped_storage().data_ptr(): self.tables})
+        rows, contents, flat, values = (staged.to_device([t])[0] for t in updates)
+        if rows.numel():
+            self.tables.view(store.num_layers, store.num_rows, -1)[:, rows] = contents
+        if flat.numel():
+            self.tables.view(-1)[flat] = values
+        return staged

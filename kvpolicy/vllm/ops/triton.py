@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.ops.staging import StagedStep, copy_to
+from kvpolicy.vllm.ops.staging import StagedStep, TableMirror, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, step_tensors
 from kvpolicy_triton import (
     PageGeometry,
@@ -46,7 +47,7 @@ class VirtualSequences:
 
 
 def _max_query_len(query_start_loc: torch.Tensor) -> int:
-    return int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query_start_loc.numel() > 1 else 0
+    return int(np.diff(query_start_loc.numpy()).max()) if query_start_loc.numel() > 1 else 0
 
 
 def plan_virtual_sequences(
@@ -105,6 +106,8 @@ class TritonOps(KVOps):
     #: The current step's index tensors on the device, shared by the metadata builder's ops (which stage
     #: them) and every layer's ops (which read them) in this worker process.
     staged: StagedStep | None = None
+    #: The relocated requests' page tables on the device, kept in step with the worker's page store.
+    tables = TableMirror()
 
     def __init__(self, impl=None):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -128,7 +131,12 @@ class TritonOps(KVOps):
 
     def stage(self, step):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        TritonOps.staged = StagedStep(step_tensors(step), device)
+        tensors = list(step_tensors(step))
+        per_head = getattr(step, "per_head", None)
+        if per_head is None:
+            TritonOps.staged = StagedStep(tensors, device)
+        else:
+            TritonOps.staged = TritonOps.tables.stage(per_head.store, tensors, device)
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         return plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)

@@ -1,0 +1,260 @@
+"""Page tables, lengths and free pages of every relocated request of a worker, one row each of batch-wide arrays.
+
+A decode step appends a token to every (layer, KV head) of every relocated
+request. Kept in one Python object per request, that is a loop over the
+batch on the host at every step, and the step's page tables are copied out of
+those objects. Here a request is a row of arrays shared by the whole batch:
+``arrange`` puts the step's rows first, in the step's order, ``append`` gives
+them all room for their new tokens with a few numpy operations, and each
+layer's attention call reads its page table as a view of those first rows.
+A copy of the tables elsewhere (the GPU's) follows by the changes listed since
+it last synced (``take_changes``): whole rows that moved or were rewritten and
+single entries the appends wrote, not the tables themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class StoreChanges:
+    """What changed in ``PageStore.tables`` since the last ``take_changes``: ``resized`` (its shape changed: a
+    copy must take it whole), the rows rewritten or moved, and entries written one by one (flat indices, values)."""
+
+    resized: bool = True
+    rows: set[int] = field(default_factory=set)
+    flat: list[np.ndarray] = field(default_factory=list)
+    values: list[np.ndarray] = field(default_factory=list)
+
+
+class PageStore:
+    """Rows of per-(layer, head) page tables over pools of free pages, for requests of one model shape.
+
+    ``tables`` [layers, rows * heads, width] int32: row ``r``'s head ``h`` reads
+    the pages at ``tables[l, r*heads + h, :counts[l, r, h]]`` (zeros after
+    them); ``lengths`` [layers, rows, heads] its tokens. Free pages are kept per
+    pool, one per layer or one for every layer (``pools_layers``), as
+    ``free[pool, row, free_start:free_end]``, taken from the front.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, block_size: int, pools_layers: bool, rows: int = 4):
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.block_size = block_size
+        self.pools_layers = pools_layers
+        self.num_pools = 1 if pools_layers else num_layers
+        self.lengths = np.zeros((num_layers, rows, num_heads), dtype=np.int32)
+        self.counts = np.zeros((num_layers, rows, num_heads), dtype=np.int32)
+        self.tables = np.zeros((num_layers, rows * num_heads, 4), dtype=np.int32)
+        self.free = np.zeros((self.num_pools, rows, 4 * num_heads), dtype=np.int32)
+        self.free_start = np.zeros((self.num_pools, rows), dtype=np.int64)
+        self.free_end = np.zeros((self.num_pools, rows), dtype=np.int64)
+        self.owners: list[object | None] = [None] * rows
+        self.changes = StoreChanges()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.owners)
+
+    @property
+    def width(self) -> int:
+        return self.tables.shape[2]
+
+    def pool(self, layer: int) -> int:
+        return 0 if self.pools_layers else layer
+
+    def table_of(self, layer: int, row: int) -> np.ndarray:
+        """Row ``row``'s page table in ``layer``, [heads, width] (a view)."""
+        return self.tables[layer, row * self.num_heads : (row + 1) * self.num_heads]
+
+    # Rows.
+
+    def add(self, owner: object) -> int:
+        """A row for ``owner``, empty; grows the arrays when every row is taken."""
+        if None not in self.owners:
+            self._grow_rows(2 * self.num_rows)
+        row = self.owners.index(None)
+        self.owners[row] = owner
+        self.lengths[:, row] = 0
+        self.counts[:, row] = 0
+        self.table_of_rows(row)[:] = 0
+        self.free_start[:, row] = self.free_end[:, row] = 0
+        self.changes.rows.add(row)
+        return row
+
+    def remove(self, row: int) -> None:
+        self.owners[row] = None
+
+    def table_of_rows(self, row: int) -> np.ndarray:
+        """Every layer's page table of ``row``, [layers, heads, width] (a view)."""
+        return self.tables.reshape(self.num_layers, self.num_rows, self.num_heads, -1)[:, row]
+
+    def arrange(self, owners: list) -> None:
+        """Move ``owners``' rows to the first ``len(owners)``, in that order (each owner's ``row`` follows);
+        other rows keep their order after them. Steps in the same order as the last one move nothing."""
+        current = np.fromiter((owner.row for owner in owners), dtype=np.int64, count=len(owners))
+        if np.array_equal(current, np.arange(len(owners))):
+            return
+        placed = np.zeros(self.num_rows, dtype=bool)
+        placed[current] = True
+        order = np.concatenate([current, np.flatnonzero(~placed)])  # new row i is old row order[i]
+        moved = np.flatnonzero(order != np.arange(self.num_rows))
+        source = order[moved]
+        self.lengths[:, moved] = self.lengths[:, source]
+        self.counts[:, moved] = self.counts[:, source]
+        rows_view = self.tables.reshape(self.num_layers, self.num_rows, -1)
+        rows_view[:, moved] = rows_view[:, source]
+        for array in (self.free, self.free_start, self.free_end):
+            array[:, moved] = array[:, source]
+        owners_before = self.owners
+        self.owners = [owners_before[i] for i in order]
+        for row in moved:
+            owner = self.owners[row]
+            if owner is not None:
+                owner.row = int(row)
+        self.changes.rows.update(moved.tolist())
+
+    # Pages of one row (relocation, release: once per request and layer, not per step).
+
+    def head_pages(self, layer: int, row: int, head: int) -> list[int]:
+        return self.table_of(layer, row)[head, : self.counts[layer, row, head]].tolist()
+
+    def set_head_pages(self, layer: int, row: int, head: int, pages: list[int]) -> None:
+        if len(pages) > self.width:
+            self._widen_tables(len(pages))
+        table = self.table_of(layer, row)[head]
+        table[: len(pages)] = pages
+        table[len(pages) :] = 0
+        self.counts[layer, row, head] = len(pages)
+        self.changes.rows.add(row)
+
+    def free_pages(self, pool: int, row: int) -> list[int]:
+        return self.free[pool, row, self.free_start[pool, row] : self.free_end[pool, row]].tolist()
+
+    def set_free(self, pool: int, row: int, pages: list[int]) -> None:
+        if len(pages) > self.free.shape[2]:
+            self._widen_free(len(pages))
+        self.free[pool, row, : len(pages)] = pages
+        self.free_start[pool, row], self.free_end[pool, row] = 0, len(pages)
+
+    def extend_free(self, row: int, pages: np.ndarray) -> None:
+        """Add ``pages`` [pools, n] at the end of each pool's free pages of ``row``."""
+        count = pages.shape[1]
+        if (self.free_end[:, row] + count > self.free.shape[2]).any():
+            held = [self.free_pages(pool, row) for pool in range(self.num_pools)]
+            if max(map(len, held)) + count > self.free.shape[2]:
+                self._widen_free(max(map(len, held)) + count)
+            for pool, pages_held in enumerate(held):
+                self.set_free(pool, row, pages_held)
+        columns = self.free_end[:, row][:, None] + np.arange(count)
+        self.free[np.arange(self.num_pools)[:, None], row, columns] = pages
+        self.free_end[:, row] += count
+
+    # The step.
+
+    def append(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Room for ``counts[i]`` new tokens in every (layer, head) of row ``rows[i]`` (distinct rows); their
+        slots, [layers, sum(heads * counts)], ordered (row, head, token). A head whose last page is full takes
+        the first free page of its pool, pools in order of (row, layer, head)."""
+        heads, block_size, width = self.num_heads, self.block_size, self.width
+        first_rows = np.array_equal(rows, np.arange(len(rows)))  # the step's rows, arranged: views, not copies
+        index = slice(0, len(rows)) if first_rows else rows
+        lengths = self.lengths[:, index]
+        grown = lengths + counts[None, :, None].astype(np.int32)
+        missing = -(-grown // block_size) - self.counts[:, index]
+        if missing.any():
+            self._take_free(rows, missing)
+            width = self.width
+        if (counts == 1).all():  # decode: one token per head, in (row, head) order
+            positions = lengths.reshape(self.num_layers, -1)
+            table_rows = (rows[:, None] * heads + np.arange(heads)).reshape(-1)
+        else:
+            per_row = heads * counts
+            entry = np.repeat(np.arange(len(rows)), per_row)
+            within = np.arange(entry.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+            head_of = within // counts[entry]
+            positions = lengths[:, entry, head_of] + (within % counts[entry])  # [layers, virtual tokens]
+            table_rows = rows[entry] * heads + head_of
+        layer_base = np.arange(self.num_layers)[:, None] * (self.num_rows * heads * width)
+        flat = layer_base + table_rows * width + positions // block_size
+        slots = self.tables.reshape(-1)[flat].astype(np.int64) * block_size + positions % block_size
+        self.lengths[:, index] = grown  # after the slots: ``positions`` may be a view of the lengths
+        return slots
+
+    def _take_free(self, rows: np.ndarray, missing: np.ndarray) -> None:
+        """Give (layer, ``rows[i]``, head) ``missing[layer, i, head]`` pages more from the front of its pool's
+        free pages."""
+        taking = missing > 0
+        if self.pools_layers:  # a row's heads take from one pool: in (row, layer, head) order
+            entry, layer, head = np.nonzero(taking.transpose(1, 0, 2))
+            wanted = missing.transpose(1, 0, 2)[taking.transpose(1, 0, 2)]
+            pool = np.zeros_like(layer)
+        else:
+            layer, entry, head = np.nonzero(taking)
+            wanted = missing[taking]
+            pool = layer
+        row = rows[entry]
+        group = pool * self.num_rows + row  # one pool of one row: consecutive entries
+        first = np.r_[True, group[1:] != group[:-1]]
+        if wanted.max() == 1:  # decode: one page each
+            order = np.arange(group.size)
+            each, nth = order, 0
+            ahead = order - np.maximum.accumulate(np.where(first, order, 0))  # pages taken before in its pool
+        else:
+            ends = np.cumsum(wanted)
+            each = np.repeat(np.arange(wanted.size), wanted)  # one per page taken
+            nth = np.arange(each.size) - np.repeat(ends - wanted, wanted)
+            ahead = (ends - wanted - np.maximum.accumulate(np.where(first, ends - wanted, 0)))[each] + nth
+        free_index = group[each]
+        place = self.free_start.reshape(-1)[free_index] + ahead
+        short = place >= self.free_end.reshape(-1)[free_index]
+        if short.any():
+            raise RuntimeError(
+                f"no free page left in layer {int(layer[each][short][0])}: the request outgrew its blocks"
+            )
+        taken = self.free.reshape(-1)[free_index * self.free.shape[2] + place]
+        head_index = (layer * self.num_rows + row) * self.num_heads + head  # into ``counts``, flat
+        column = self.counts.reshape(-1)[head_index][each] + nth
+        if column.max() >= self.width:
+            self._widen_tables(int(column.max()) + 1)
+        flat = head_index[each] * self.width + column
+        self.tables.reshape(-1)[flat] = taken
+        self.changes.flat.append(flat)
+        self.changes.values.append(taken)
+        self.counts.reshape(-1)[head_index] += wanted.astype(np.int32)
+        self.free_start += (
+            np.bincount(group, weights=wanted, minlength=self.free_start.size)
+            .reshape(self.free_start.shape)
+            .astype(np.int64)
+        )
+
+    def take_changes(self) -> StoreChanges:
+        """The changes to ``tables`` since the last call, for a copy of them to follow; starts a new list."""
+        changes, self.changes = self.changes, StoreChanges(resized=False)
+        return changes
+
+    # Growth (rare: the arrays double).
+
+    def _grow_rows(self, rows: int) -> None:
+        extra = rows - self.num_rows
+        self.lengths = np.pad(self.lengths, ((0, 0), (0, extra), (0, 0)))
+        self.counts = np.pad(self.counts, ((0, 0), (0, extra), (0, 0)))
+        self.tables = np.pad(self.tables, ((0, 0), (0, extra * self.num_heads), (0, 0)))
+        self.free = np.pad(self.free, ((0, 0), (0, extra), (0, 0)))
+        self.free_start = np.pad(self.free_start, ((0, 0), (0, extra)))
+        self.free_end = np.pad(self.free_end, ((0, 0), (0, extra)))
+        self.owners.extend([None] * extra)
+        self._resized()
+
+    def _widen_tables(self, width: int) -> None:
+        self.tables = np.pad(self.tables, ((0, 0), (0, 0), (0, max(width, 2 * self.width) - self.width)))
+        self._resized()
+
+    def _widen_free(self, width: int) -> None:
+        self.free = np.pad(self.free, ((0, 0), (0, 0), (0, max(width, 2 * self.free.shape[2]) - self.free.shape[2])))
+
+    def _resized(self) -> None:
+        self.changes = StoreChanges(resized=True)
