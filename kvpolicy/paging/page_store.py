@@ -48,6 +48,7 @@ class PageStore:
         self.num_pools = 1 if pools_layers else num_layers
         self.lengths = np.zeros((num_layers, rows, num_heads), dtype=np.int32)
         self.counts = np.zeros((num_layers, rows, num_heads), dtype=np.int32)
+        self.last_pages = np.zeros((num_layers, rows, num_heads), dtype=np.int32)  # each head's last page, or 0
         self.tables = np.zeros((num_layers, rows * num_heads, 4), dtype=np.int32)
         self.free = np.zeros((self.num_pools, rows, 4 * num_heads), dtype=np.int32)
         self.free_start = np.zeros((self.num_pools, rows), dtype=np.int64)
@@ -80,6 +81,7 @@ class PageStore:
         self.owners[row] = owner
         self.lengths[:, row] = 0
         self.counts[:, row] = 0
+        self.last_pages[:, row] = 0
         self.table_of_rows(row)[:] = 0
         self.free_start[:, row] = self.free_end[:, row] = 0
         self.changes.rows.add(row)
@@ -105,6 +107,7 @@ class PageStore:
         source = order[moved]
         self.lengths[:, moved] = self.lengths[:, source]
         self.counts[:, moved] = self.counts[:, source]
+        self.last_pages[:, moved] = self.last_pages[:, source]
         rows_view = self.tables.reshape(self.num_layers, self.num_rows, -1)
         rows_view[:, moved] = rows_view[:, source]
         for array in (self.free, self.free_start, self.free_end):
@@ -129,6 +132,7 @@ class PageStore:
         table[: len(pages)] = pages
         table[len(pages) :] = 0
         self.counts[layer, row, head] = len(pages)
+        self.last_pages[layer, row, head] = pages[-1] if pages else 0
         self.changes.rows.add(row)
 
     def free_pages(self, pool: int, row: int) -> list[int]:
@@ -159,18 +163,26 @@ class PageStore:
         """Room for ``counts[i]`` new tokens in every (layer, head) of row ``rows[i]`` (distinct rows); their
         slots, [layers, sum(heads * counts)], ordered (row, head, token). A head whose last page is full takes
         the first free page of its pool, pools in order of (row, layer, head)."""
-        heads, block_size, width = self.num_heads, self.block_size, self.width
+        heads = self.num_heads
         first_rows = np.array_equal(rows, np.arange(len(rows)))  # the step's rows, arranged: views, not copies
         index = slice(0, len(rows)) if first_rows else rows
         lengths = self.lengths[:, index]
-        grown = lengths + counts[None, :, None].astype(np.int32)
-        missing = -(-grown // block_size) - self.counts[:, index]
+        decode = bool((counts == 1).all())
+        if decode:  # a head needs a page when its pages are full
+            grown = lengths + 1
+            missing = lengths == self.counts[:, index] * self.block_size
+        else:
+            grown = lengths + counts[None, :, None].astype(np.int32)
+            missing = self._page_of(grown + self.block_size - 1) - self.counts[:, index]
         if missing.any():
             self._take_free(rows, missing)
-            width = self.width
-        if (counts == 1).all():  # decode: one token per head, in (row, head) order
-            positions = lengths.reshape(self.num_layers, -1)
-            table_rows = (rows[:, None] * heads + np.arange(heads)).reshape(-1)
+        if decode:  # one token per head, in its last page (taken above if the others were full)
+            pages = self.last_pages[:, index].reshape(self.num_layers, -1)
+            offsets = (
+                lengths.reshape(self.num_layers, -1)
+                - self._page_of(lengths).reshape(self.num_layers, -1) * self.block_size
+            )
+            slots = pages.astype(np.int64) * self.block_size + offsets
         else:
             per_row = heads * counts
             entry = np.repeat(np.arange(len(rows)), per_row)
@@ -178,23 +190,33 @@ class PageStore:
             head_of = within // counts[entry]
             positions = lengths[:, entry, head_of] + (within % counts[entry])  # [layers, virtual tokens]
             table_rows = rows[entry] * heads + head_of
-        layer_base = np.arange(self.num_layers)[:, None] * (self.num_rows * heads * width)
-        flat = layer_base + table_rows * width + positions // block_size
-        slots = self.tables.reshape(-1)[flat].astype(np.int64) * block_size + positions % block_size
+            width = self.width
+            layer_base = np.arange(self.num_layers)[:, None] * (self.num_rows * heads * width)
+            pages = self.tables.reshape(-1)[layer_base + table_rows * width + self._page_of(positions)]
+            slots = pages.astype(np.int64) * self.block_size + (positions - self._page_of(positions) * self.block_size)
         self.lengths[:, index] = grown  # after the slots: ``positions`` may be a view of the lengths
         return slots
+
+    def _page_of(self, positions: np.ndarray) -> np.ndarray:
+        """``positions // block_size``; a shift for the usual power-of-two block sizes (numpy's division is
+        far slower, and a decode step divides every (layer, head) of the batch)."""
+        if self.block_size & (self.block_size - 1) == 0:
+            return positions >> (self.block_size.bit_length() - 1)
+        return positions // self.block_size
 
     def _take_free(self, rows: np.ndarray, missing: np.ndarray) -> None:
         """Give (layer, ``rows[i]``, head) ``missing[layer, i, head]`` pages more from the front of its pool's
         free pages."""
-        taking = missing > 0
-        if self.pools_layers:  # a row's heads take from one pool: in (row, layer, head) order
-            entry, layer, head = np.nonzero(taking.transpose(1, 0, 2))
-            wanted = missing.transpose(1, 0, 2)[taking.transpose(1, 0, 2)]
+        num_layers, num_rows, heads = missing.shape
+        by_pool = missing.transpose(1, 0, 2) if self.pools_layers else missing  # a row's heads take from one pool
+        taking = np.flatnonzero(by_pool)  # in (row, layer, head) order with one pool, else (layer, row, head)
+        wanted = np.ones(taking.size, dtype=np.int64) if missing.dtype == bool else by_pool.reshape(-1)[taking]
+        head = taking % heads
+        if self.pools_layers:
+            entry, layer = np.divmod(taking // heads, num_layers)
             pool = np.zeros_like(layer)
         else:
-            layer, entry, head = np.nonzero(taking)
-            wanted = missing[taking]
+            layer, entry = np.divmod(taking // heads, num_rows)
             pool = layer
         row = rows[entry]
         group = pool * self.num_rows + row  # one pool of one row: consecutive entries
@@ -225,6 +247,8 @@ class PageStore:
         self.changes.flat.append(flat)
         self.changes.values.append(taken)
         self.counts.reshape(-1)[head_index] += wanted.astype(np.int32)
+        last = nth == wanted[each] - 1  # each head's last page taken
+        self.last_pages.reshape(-1)[head_index[each][last]] = taken[last]
         self.free_start += (
             np.bincount(group, weights=wanted, minlength=self.free_start.size)
             .reshape(self.free_start.shape)
@@ -242,6 +266,7 @@ class PageStore:
         extra = rows - self.num_rows
         self.lengths = np.pad(self.lengths, ((0, 0), (0, extra), (0, 0)))
         self.counts = np.pad(self.counts, ((0, 0), (0, extra), (0, 0)))
+        self.last_pages = np.pad(self.last_pages, ((0, 0), (0, extra), (0, 0)))
         self.tables = np.pad(self.tables, ((0, 0), (0, extra * self.num_heads), (0, 0)))
         self.free = np.pad(self.free, ((0, 0), (0, extra), (0, 0)))
         self.free_start = np.pad(self.free_start, ((0, 0), (0, extra)))

@@ -55,12 +55,12 @@ class StagedStep:
         self.mirrored = mirrored or {}
         extents: dict[int, tuple[torch.Tensor, int, int]] = {}  # storage address -> (a tensor on it, first, end)
         for tensor in tensors:
+            address = tensor.untyped_storage().data_ptr()
+            if address in self.mirrored:
+                continue
             if tensor.device.type != "cpu" or not tensor.numel() or any(s < 0 for s in tensor.stride()):
                 continue
-            if tensor.untyped_storage().data_ptr() in self.mirrored:
-                continue
             first, end = _byte_extent(tensor)
-            address = tensor.untyped_storage().data_ptr()
             if address in extents:
                 _, seen_first, seen_end = extents[address]
                 first, end = min(first, seen_first), max(end, seen_end)

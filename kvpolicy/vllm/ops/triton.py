@@ -116,6 +116,7 @@ class TritonOps(KVOps):
                 "(set TRITON_INTERPRET=1 before starting, for tests), or drop KVPOLICY_OPS=triton"
             )
         self.impl = impl
+        self._heads_plan: tuple[torch.Tensor | None, VirtualSequences | None] = (None, None)
         if impl is not None:
             unsupported = [
                 name
@@ -139,7 +140,12 @@ class TritonOps(KVOps):
             TritonOps.staged = TritonOps.tables.stage(per_head.store, tensors, device)
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
-        return plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)
+        if kv_heads == 1 and self._heads_plan[0] is query_start_loc:
+            return self._heads_plan[1]  # every layer's per-head call in a step: one query layout, one plan
+        plan = plan_virtual_sequences(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)
+        if kv_heads == 1:
+            self._heads_plan = (query_start_loc, plan)
+        return plan
 
     def write(self, layer, cache, key, value, rows: HeadRows, slots):
         indices = _on(cache.device, rows.token_of, rows.head_of, slots)
