@@ -69,6 +69,7 @@ class StagedStep:
         #: host tensors stay referenced so their storages (and so the addresses) live as long as the step.
         self.regions: dict[int, tuple[int, int, int]] = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id -> (tensor, its view)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the device buffer as each dtype, to view from
         self._sources = [tensor for tensor, _, _ in extents.values()]
         total = 0
         for address, (_, first, end) in extents.items():
@@ -105,8 +106,12 @@ class StagedStep:
         if start < first or stop > end:
             return None  # a view of more of the storage than the step's tensors viewed
         staged_offset = (offset + start - first) // tensor.element_size()
-        view = torch.empty(0, dtype=tensor.dtype, device=self.device)
-        return view.set_(self.buffer.untyped_storage(), staged_offset, tensor.shape, tensor.stride())
+        typed = self._typed.get(tensor.dtype)
+        if typed is None:
+            typed = self._typed[tensor.dtype] = torch.empty(0, dtype=tensor.dtype, device=self.device).set_(
+                self.buffer.untyped_storage()
+            )
+        return typed.as_strided(tensor.shape, tensor.stride(), staged_offset)
 
     def to_device(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` on the device: staged ones as views of the copy (on a CPU device too, so the interpreted
