@@ -77,6 +77,8 @@ class PerHeadBatch:
     virtual-token order). ``req_ids``: the relocated requests, in order. Each layer's
     ``block_table`` is a view of ``store``'s tables (its first rows, in this order),
     which the ops keep on the device by their changes (``ops/staging.TableMirror``).
+    ``carried_slots``: for policies that accumulate attention, each request's row of the
+    carried scores (``modes/carried.CarriedScores``), in order.
     """
 
     token_idx: torch.Tensor
@@ -85,6 +87,7 @@ class PerHeadBatch:
     slots: torch.Tensor
     req_ids: list[str]
     store: PageStore
+    carried_slots: torch.Tensor | None = None
 
 
 @dataclass

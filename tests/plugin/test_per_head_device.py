@@ -78,8 +78,10 @@ def decode_step(pages: RequestPages) -> RelocatingStep:
         AttentionBatch(torch.tensor([0]), qsl, lengths[layer].int(), torch.zeros(H, 1), 1, None)
         for layer in range(LAYERS)
     ]
+    carried = WORKER_STATE.mode.requests[REQ].carried
+    slots = torch.tensor([carried.slot]) if WORKER_STATE.policy.inputs.attention else None
     return RelocatingStep(
-        per_head=PerHeadBatch(torch.tensor([0]), rows, layers, torch.zeros(LAYERS, H), [REQ], pages.store)
+        per_head=PerHeadBatch(torch.tensor([0]), rows, layers, torch.zeros(LAYERS, H), [REQ], pages.store, slots)
     )
 
 
@@ -111,9 +113,11 @@ def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker,
         for layer in range(LAYERS):
             path.after_attention(None, layer, query[:0], kv_cache, evict)
         assert (pages.lengths == BUDGET).all()
-        for scores in worker.mode.requests[REQ].carried.scores:
-            assert scores is None if not worker.policy.inputs.attention else scores.device == DEVICE
-            assert scores is None or scores.shape == (H, BUDGET)
+        carried = worker.mode.requests[REQ].carried
+        assert carried.scored == [worker.policy.inputs.attention] * LAYERS
+        for layer in range(LAYERS) if worker.policy.inputs.attention else ():
+            scores = worker.mode.scores.read(layer, carried.slot, BUDGET)
+            assert scores.device == DEVICE and scores.shape == (H, BUDGET)
 
     expected_moves = LAYERS * (2 if worker.policy.schedule.in_decode else 1)
     assert len(ops.moves) == expected_moves

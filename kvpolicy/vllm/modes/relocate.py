@@ -17,6 +17,7 @@ import torch
 from kvpolicy.paging import PageStore, RequestPages, stock_slots
 from kvpolicy.policies import Policy, Schedule
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
+from kvpolicy.vllm.modes.carried import CarriedScores, CarriedState
 from kvpolicy.vllm.state import BlockRelease
 from kvpolicy.vllm.step import (
     AttentionBatch,
@@ -27,19 +28,6 @@ from kvpolicy.vllm.step import (
     SummedChunk,
     WindowStash,
 )
-
-
-@dataclass
-class CarriedState:
-    """What a policy that evicts in decode carries per layer between a request's compressions."""
-
-    budgets: list[int]
-    scores: list[torch.Tensor | None]
-    thresholds: list[torch.Tensor | None]
-
-    @classmethod
-    def empty(cls, num_layers: int) -> CarriedState:
-        return cls([0] * num_layers, [None] * num_layers, [None] * num_layers)
 
 
 @dataclass
@@ -81,9 +69,11 @@ class _Draft:
 
 class Relocate(ModeState[RelocatedRequest]):
     """The relocating policies' requests, from their first prompt chunk on, and the builder of their steps.
-    ``store``: the page tables of every relocated request, rows of batch-wide arrays."""
+    ``store``: the page tables of every relocated request, rows of batch-wide arrays; ``scores``: what
+    H2O and D2O carry of them, rows of one tensor per layer."""
 
     store: PageStore | None = None
+    scores: CarriedScores | None = None
 
     def new_request(self) -> RelocatedRequest:
         return RelocatedRequest()
@@ -94,6 +84,8 @@ class Relocate(ModeState[RelocatedRequest]):
     def dropped(self, request: RelocatedRequest) -> None:
         if request.pages is not None:
             request.pages.close()
+        if request.carried is not None:
+            self.scores.release(request.carried.slot)
 
     def new_pages(self, blocks: list[int], order: list[int] | None, layer_base, shape: StepShape) -> RequestPages:
         """A relocated request's pages, a row of the worker's page store (made with the first)."""
@@ -152,7 +144,9 @@ class Relocate(ModeState[RelocatedRequest]):
         """What the request's evicting policy carries, made at its first compression."""
         request = self.requests[req_id]
         if request.carried is None:
-            request.carried = CarriedState.empty(request.pages.num_layers)
+            if self.scores is None:
+                self.scores = CarriedScores(request.pages.num_layers)
+            request.carried = CarriedState.empty(request.pages.num_layers, self.scores.new_slot())
         return request.carried
 
     # The builder.
@@ -325,6 +319,9 @@ class Relocate(ModeState[RelocatedRequest]):
                 by_lengths[key] = shape.heads_plan(query_start_loc, seq_lens, tables[layer])
             layers.append(AttentionBatch(token_idx, query_start_loc, seq_lens, tables[layer], 1, by_lengths[key]))
         whole_batch = token_idx.numel() == len(rows) == num_tokens  # one token per row, every row
+        carried_slots = None
+        if self.policy.inputs.attention:
+            carried_slots = torch.tensor([self.requests[r.row.req_id].carried.slot for r in rows])
         return PerHeadBatch(
             token_idx,
             HeadRows(torch.from_numpy(token_of), torch.from_numpy(head_of), whole_batch),
@@ -332,4 +329,5 @@ class Relocate(ModeState[RelocatedRequest]):
             torch.from_numpy(slots),
             [r.row.req_id for r in rows],
             store,
+            carried_slots,
         )

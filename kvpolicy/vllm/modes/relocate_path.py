@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from kvpolicy.policies import PromptKV
-from kvpolicy.policies.h2o import add_new_token
 from kvpolicy.vllm.modes.relocate import Relocate
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WORKER_STATE
@@ -79,17 +78,14 @@ class PerHeadPath:
                         self.ops.move(layer, _mode().relocated_cache(kv_cache), moves.src, moves.dst)
 
     def _add_attention(self, layer, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
-        """Add each relocated request's new token's attention weights over its cache to its carried scores."""
+        """Add each relocated request's new token's attention weights over its cache to its carried scores,
+        for the whole batch in one operation (``CarriedScores.add``)."""
         if per_head.token_idx.numel() != len(per_head.req_ids):
             raise RuntimeError("policies that accumulate attention take one new token per request and step")
         batch = per_head.layers[layer_idx]
-        heads = kv_cache.shape[1]
         weights = self.ops.new_token_weights(layer, query, _mode().relocated_cache(kv_cache), batch, per_head.rows)
-        lengths = batch.seq_lens.long()  # the step's host copy
-        for i, req_id in enumerate(per_head.req_ids):
-            carried = _mode().requests[req_id].carried
-            rows = weights[i * heads : (i + 1) * heads, : int(lengths[i * heads])]
-            carried.scores[layer_idx] = add_new_token(carried.scores[layer_idx], rows)
+        slots = self.ops.on_device(per_head.carried_slots, weights.device)
+        _mode().scores.add(layer_idx, slots, weights)
 
     def _relocate(self, layer, layer_idx: int, query, kv_cache, relocations: list[Relocation]) -> None:
         """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps.
@@ -133,7 +129,7 @@ class PerHeadPath:
             layer=layer_idx,
             num_layers=pages.num_layers,
             values=values,
-            scores=carried.scores[layer_idx],
+            scores=_mode().scores.read(layer_idx, carried.slot, length) if carried.scored[layer_idx] else None,
             threshold=carried.thresholds[layer_idx],
         )
         self._compact(layer, kv_cache, layer_idx, relocation, cache, slots, budget, None, length, length)
@@ -204,8 +200,9 @@ class PerHeadPath:
         if policy.schedule.in_decode:
             carried = _mode().carried(relocation.req_id)
             carried.budgets[layer_idx] = budget
+            carried.scored[layer_idx] = result.scores is not None
             if result.scores is not None:
                 # Output recomputed after a preemption has no scores yet.
                 unseen = torch.zeros(heads, generated.numel(), dtype=torch.float64, device=result.scores.device)
-                carried.scores[layer_idx] = torch.cat([result.scores, unseen], dim=1)
+                _mode().scores.write(layer_idx, carried.slot, torch.cat([result.scores, unseen], dim=1))
             carried.thresholds[layer_idx] = result.threshold

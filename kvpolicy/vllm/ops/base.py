@@ -40,6 +40,10 @@ class KVOps(ABC):
         """Called once per step, after the builder made it: the ops may send its index tensors to where the
         cache is now, in one copy, rather than layer by layer (``ops/staging.py``)."""
 
+    def on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A host tensor of the step where the cache is (the staged copy's view, when the ops staged one)."""
+        return tensor.to(device, non_blocking=True)
+
     @abstractmethod
     def write(self, layer, cache, key, value, rows: HeadRows, slots) -> None:
         """Write K/V of virtual token ``i`` of ``rows`` at ``slots[i]``; key, value [T, H, D]."""

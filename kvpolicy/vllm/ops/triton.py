@@ -147,6 +147,9 @@ class TritonOps(KVOps):
             self._heads_plan = (query_start_loc, plan)
         return plan
 
+    def on_device(self, tensor, device):
+        return _on(device, tensor)[0]
+
     def write(self, layer, cache, key, value, rows: HeadRows, slots):
         indices = _on(cache.device, rows.token_of, rows.head_of, slots)
         write_slots(cache, cache_geometry(layer, cache), key, value, *indices)
