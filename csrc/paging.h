@@ -49,14 +49,69 @@ inline void check_cache(const at::Tensor& cache) {
   TORCH_CHECK(cache.device().is_cpu(), "kvpolicy's C++ ops take CPU caches; on a GPU the Triton ops serve");
 }
 
+// Tokens per tile of sequence_logits' unit-stride path: the tile's sums over dims for up to 4
+// query heads stay in registers (4 x 64 floats = 16 AVX-512 registers).
+constexpr int64_t kTokenTile = 64;
+
+// logits[g * n + t] = q[g] . K(token t) for HEADS query heads and `count` tokens whose K rows
+// start at `keys` with unit token stride (dim d of token t at keys[d * dim_stride + t]). Each
+// key is read once for all HEADS heads and each logit stored once; dims are added in order.
+// A full tile (count == kTokenTile) is one vector loop per dim and head.
+template <int HEADS, typename scalar_t>
+inline void tile_logits(const scalar_t* keys, int64_t dim_stride, int64_t count, const float* q, int64_t dim,
+                        float* logits, int64_t n) {
+  float acc[HEADS][kTokenTile] = {};
+  if (count == kTokenTile) {
+    for (int64_t d = 0; d < dim; ++d) {
+      const scalar_t* k = keys + d * dim_stride;
+      for (int g = 0; g < HEADS; ++g) {
+        const float qd = q[g * dim + d];
+#pragma omp simd
+        for (int64_t t = 0; t < kTokenTile; ++t) acc[g][t] += qd * static_cast<float>(k[t]);
+      }
+    }
+  } else {
+    for (int64_t d = 0; d < dim; ++d) {
+      const scalar_t* k = keys + d * dim_stride;
+      for (int g = 0; g < HEADS; ++g) {
+        const float qd = q[g * dim + d];
+        for (int64_t t = 0; t < count; ++t) acc[g][t] += qd * static_cast<float>(k[t]);
+      }
+    }
+  }
+  for (int g = 0; g < HEADS; ++g) std::copy(acc[g], acc[g] + count, logits + g * n);
+}
+
 // logits[g * n + i] = scale * q[g] . K(token i), for the first n tokens of a sequence whose
-// pages are pages[0..]; q is [group, dim] float. Tokens innermost, so a page whose tokens are
-// adjacent for each dim (vLLM's CPU vec pages store K transposed) is read with unit stride.
+// pages are pages[0..]; q is [group, dim] float (already scaled). Dims are added in order, from
+// 0, on both paths. A page whose tokens are adjacent for each dim (vLLM's CPU vec pages store K
+// transposed) is read in tiles of kTokenTile tokens, up to 4 query heads at a time; any other
+// page token by token.
 template <typename scalar_t>
 void sequence_logits(const scalar_t* cache, const Addressing& a, const int64_t* pages, int64_t n,
                      const float* q, int64_t group, int64_t dim, float* logits) {
-  std::fill(logits, logits + group * n, 0.0f);
   const int64_t bs = a.block_size;
+  if (a.k_token_stride == 1) {
+    for (int64_t start = 0; start < n; start += bs) {
+      const int64_t in_page = std::min(bs, n - start);
+      const scalar_t* page = cache + a.page_base(pages[start / bs]) + a.k_offset;
+      for (int64_t t0 = 0; t0 < in_page; t0 += kTokenTile) {
+        const int64_t count = std::min(kTokenTile, in_page - t0);
+        for (int64_t g = 0; g < group; g += 4) {
+          const float* qg = q + g * dim;
+          float* out = logits + g * n + start + t0;
+          switch (std::min<int64_t>(4, group - g)) {
+            case 1: tile_logits<1>(page + t0, a.k_dim_stride, count, qg, dim, out, n); break;
+            case 2: tile_logits<2>(page + t0, a.k_dim_stride, count, qg, dim, out, n); break;
+            case 3: tile_logits<3>(page + t0, a.k_dim_stride, count, qg, dim, out, n); break;
+            default: tile_logits<4>(page + t0, a.k_dim_stride, count, qg, dim, out, n); break;
+          }
+        }
+      }
+    }
+    return;
+  }
+  std::fill(logits, logits + group * n, 0.0f);
   for (int64_t start = 0; start < n; start += bs) {
     const int64_t count = std::min(bs, n - start);
     const scalar_t* page = cache + a.page_base(pages[start / bs]) + a.k_offset;
@@ -65,12 +120,7 @@ void sequence_logits(const scalar_t* cache, const Addressing& a, const int64_t* 
       for (int64_t g = 0; g < group; ++g) {
         const float qd = q[g * dim + d];
         float* out = logits + g * n + start;
-        if (a.k_token_stride == 1) {
-#pragma omp simd
-          for (int64_t t = 0; t < count; ++t) out[t] += qd * static_cast<float>(column[t]);
-        } else {
-          for (int64_t t = 0; t < count; ++t) out[t] += qd * static_cast<float>(column[t * a.k_token_stride]);
-        }
+        for (int64_t t = 0; t < count; ++t) out[t] += qd * static_cast<float>(column[t * a.k_token_stride]);
       }
     }
   }

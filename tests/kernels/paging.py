@@ -33,15 +33,16 @@ TOLERANCE = {
 LAYOUTS = {"head_major": 16, "k_transposed": 8, "split_kv": 16}
 
 
-def make_cache(layout: str, blocks: int, kv_heads: int, head_size: int, dtype, seed: int = 0):
-    """A random cache and its geometry; ``blocks * kv_heads`` one-head pages of ``LAYOUTS[layout]`` tokens.
+def make_cache(layout: str, blocks: int, kv_heads: int, head_size: int, dtype, seed: int = 0, block_size=None):
+    """A random cache and its geometry; ``blocks * kv_heads`` one-head pages of ``block_size`` tokens
+    (default ``LAYOUTS[layout]``).
 
     ``head_major``: [blocks, kv_heads, bs, 2D] (K then V in a row).
     ``k_transposed``: vLLM's CPU vec-ISA page, K element (t, d) at t + d*bs, then V row-major, built by hand.
     ``split_kv``: [blocks, 2, bs, kv_heads, D], a permuted view of an HND allocation (not contiguous).
     """
     generator = torch.Generator().manual_seed(seed)
-    bs = LAYOUTS[layout]
+    bs = block_size or LAYOUTS[layout]
     if layout == "head_major":
         cache = torch.randn(blocks, kv_heads, bs, 2 * head_size, generator=generator)
         cache = cache.to(DEVICE, dtype)

@@ -42,3 +42,21 @@ def test_context_token_scores(ops, dtype, layout, kv_heads):
     queries = query[token_idx.long()][:, :, None, :]
     omnikv = context_scores(queries.cpu().float(), keys.cpu().float(), lengths.cpu(), "last")
     torch.testing.assert_close(got.cpu().double(), omnikv, **TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("query_heads", [6, 10], ids=["G3", "G5"])
+@pytest.mark.parametrize("ops", list(IMPLEMENTATIONS))
+def test_context_token_scores_on_vllm_cpu_pages(ops, dtype, query_heads):
+    """vLLM's CPU pages (K transposed, 128 tokens): the C++ op reads them in tiles of 64 tokens and up
+    to 4 query heads; lengths end inside a tile, on a tile's edge and on a page's."""
+    kv_heads, bs, lengths = 2, 128, [300, 128, 70, 1, 64]
+    rows, pages = len(lengths), 3
+    cache, geom = make_cache("k_transposed", rows * pages, kv_heads, HEAD_SIZE, dtype, block_size=bs)
+    page_ids = shuffled_pages(rows * pages * kv_heads).view(rows, kv_heads, pages)
+    generator = torch.Generator().manual_seed(9)
+    query = (2 * torch.randn(rows, query_heads, HEAD_SIZE, generator=generator)).to(DEVICE, dtype)
+    args = (query, cache, geom, index(range(rows)), index(page_ids), index(lengths, torch.int64), HEAD_SIZE**-0.5)
+
+    got = IMPLEMENTATIONS[ops].context_token_scores(*args)
+    torch.testing.assert_close(got, context_token_scores_reference(*args), **TOLERANCE)
