@@ -73,27 +73,36 @@ def context_scores(
     return torch.einsum("w,bwn->bn", selector_weights(selector, window, weights.device), weights.amax(dim=1))
 
 
-def select_pages(scores: torch.Tensor, lengths: torch.Tensor, page_size: int, budgets: list[int]) -> list[torch.Tensor]:
-    """Per sequence, the page indices its sparse layers attend to, ascending.
+def select_pages(
+    scores: torch.Tensor, lengths: torch.Tensor, page_size: int, budgets: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the page indices its sparse layers attend to, ascending: ``(chosen, counts)``.
 
-    ``scores``: [batch, n] token scores (0 past ``lengths``). The best
-    ``ceil(budget / page_size)`` pages by summed score, always including the
-    last (current) page; every page when they are not more than that. The lengths are read on the
-    host (one sync where they are not there already): each row's page count sizes its list.
+    ``scores``: [batch, n] token scores (0 past ``lengths``). Row ``r`` keeps the
+    best ``ceil(budgets[r] / page_size)`` pages by summed score, always including
+    the last (current) page; every page when they are not more than that.
+    ``chosen`` [batch, most kept] holds row ``r``'s pages in its first
+    ``counts[r]`` entries, then zeros. One top-k for the whole batch, no loop
+    over rows; the widest row's count is read on the host (it sizes ``chosen``).
     """
-    pages = scores.new_zeros(scores.shape[0], -(-scores.shape[1] // page_size) * page_size)
-    pages[:, : scores.shape[1]] = scores
-    page_scores = pages.view(scores.shape[0], -1, page_size).sum(dim=-1)
-    chosen = []
-    for row, (length, budget) in enumerate(zip(lengths.tolist(), budgets)):
-        keep = -(-budget // page_size)
-        num_pages = -(-length // page_size)
-        if num_pages <= keep:
-            chosen.append(torch.arange(num_pages, device=scores.device))
-            continue
-        best = page_scores[row, : num_pages - 1].topk(keep - 1).indices
-        chosen.append(torch.cat([best.sort().values, best.new_full((1,), num_pages - 1)]))
-    return chosen
+    device = scores.device
+    rows, n = scores.shape
+    padded = scores.new_zeros(rows, -(-n // page_size) * page_size)
+    padded[:, :n] = scores
+    page_scores = padded.view(rows, -1, page_size).sum(dim=-1)
+    num_pages = -(-lengths.to(device) // page_size)
+    counts = torch.minimum(-(-torch.tensor(budgets, device=device) // page_size), num_pages)
+    width = int(counts.max())
+    index = torch.arange(page_scores.shape[1], device=device)
+    # The current page is always kept; the others compete, pages past the row's last never.
+    candidates = page_scores.masked_fill(index[None, :] >= num_pages[:, None] - 1, float("-inf"))
+    ranked = candidates.topk(max(width - 1, 0), dim=1).indices
+    kept = torch.arange(ranked.shape[1], device=device)[None, :] < counts[:, None] - 1
+    # Past a row's count, a value above every page sorts last; the current page sorts after the chosen ones.
+    beyond = page_scores.shape[1]
+    chosen = torch.cat([ranked.masked_fill(~kept, beyond), (num_pages - 1)[:, None]], dim=1).sort(dim=1).values
+    past = torch.arange(width, device=device)[None, :] >= counts[:, None]
+    return chosen.masked_fill(past, 0), counts
 
 
 @dataclass(frozen=True)

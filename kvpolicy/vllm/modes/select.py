@@ -235,30 +235,31 @@ class SelectionPath:
         if step.offloads and layer_idx == len(step.sources) - 1:
             _move_offloads(pages, step.offloads)
 
-    def _choose_pages(self, layer, query, cache, page_ids, token_idx, lengths, budgets) -> list[torch.Tensor]:
-        """Eq. (3)-(4) and the page choice for decode rows: ``page_ids`` [rows, kv_heads, pages] in ``cache``."""
+    def _choose_pages(self, layer, query, cache, page_ids, token_idx, lengths, budgets):
+        """Eq. (3)-(4) and the page choice for decode rows, ``page_ids`` [rows, kv_heads, pages] in ``cache``:
+        ``select_pages``' (chosen, counts), for the whole batch at once."""
         block_size = cache.shape[2]
         scores = self.ops.context_scores(layer, query, cache, page_ids, token_idx, lengths).cpu()
-        chosen = select_pages(scores, lengths, block_size, budgets)
+        chosen, counts = select_pages(scores, lengths, block_size, budgets)
         WORKER_STATE.counters["context_pages"] += int((-(-lengths // block_size)).sum())
-        WORKER_STATE.counters["selected_pages"] += sum(c.numel() for c in chosen)
-        return chosen
+        WORKER_STATE.counters["selected_pages"] += int(counts.sum())
+        return chosen, counts
 
     def _select(self, layer, query, kv_cache, context: ContextSelection) -> AttentionBatch:
         """Score each decode row's context with its last token (eq. 3-4) and build the sparse call over its pages."""
         heads, block_size = kv_cache.shape[1:3]
         lengths = context.seq_lens.long()
         num_pages = -(-lengths // block_size)
-        table = context.block_table.long()[:, : int(num_pages.max())]
-        page_ids = table[:, None, :] * heads + torch.arange(heads)[None, :, None]
-        chosen = self._choose_pages(layer, query, kv_cache, page_ids, context.token_idx, lengths, context.budgets)
-        block_table = torch.zeros(len(chosen), max(c.numel() for c in chosen), dtype=context.block_table.dtype)
-        for row, selected in enumerate(chosen):
-            block_table[row, : selected.numel()] = table[row, selected].to(block_table.dtype)
-        counts = torch.tensor([c.numel() for c in chosen])
+        table = context.block_table[:, : int(num_pages.max())]
+        page_ids = table.long()[:, None, :] * heads + torch.arange(heads)[None, :, None]
+        chosen, counts = self._choose_pages(
+            layer, query, kv_cache, page_ids, context.token_idx, lengths, context.budgets
+        )
+        in_row = torch.arange(chosen.shape[1])[None, :] < counts[:, None]
+        block_table = table.gather(1, chosen).masked_fill(~in_row, 0)
         # Every page but the current (last) one is full: drop the tokens of the pages left out.
         seq_lens = (lengths - (num_pages - counts) * block_size).to(context.seq_lens.dtype)
-        query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
+        query_start_loc = torch.arange(len(counts) + 1, dtype=torch.int32)
         plan = context.plan(query_start_loc, seq_lens, block_table)
         return AttentionBatch(context.token_idx, query_start_loc, seq_lens, block_table, heads, plan)
 
@@ -267,7 +268,10 @@ class SelectionPath:
         batch = offloaded.full[layer_idx]
         page_ids = batch.block_table.long().view(len(offloaded.requests), -1, batch.block_table.shape[1])
         lengths = torch.tensor([request.length for request in offloaded.requests])
-        return self._choose_pages(layer, query, pages, page_ids, offloaded.token_idx, lengths, offloaded.budgets)
+        chosen, counts = self._choose_pages(
+            layer, query, pages, page_ids, offloaded.token_idx, lengths, offloaded.budgets
+        )
+        return [row[:count] for row, count in zip(chosen, counts.tolist())]
 
     def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:
         """Copy a sparse layer's selected pages from the host pool into staging; the call that reads them."""
