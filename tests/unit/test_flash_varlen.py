@@ -126,6 +126,20 @@ def test_one_head_sequences_with_their_own_lengths_and_pages(physical):
     assert (got[3] == 7.0).all()
 
 
+def test_rows_expand_to_one_sequence_per_row_and_head_in_row_head_position_order():
+    query_start_loc = torch.tensor([0, 5, 6, 6, 9], dtype=torch.int32)
+    seq_lens = torch.tensor([11, 14, 3, 9], dtype=torch.int32)
+    block_table = torch.tensor([[5, 0, 9, 0], [3, 8, 1, 11], [2, 0, 0, 0], [4, 6, 7, 0]], dtype=torch.int32)
+    plan = plan_virtual_sequences(query_start_loc, seq_lens, block_table, KV_HEADS, GROUP)
+    rows = [(row, head) for row in range(4) for head in range(KV_HEADS)]
+    local = [t for row, _ in rows for t in range(int(query_start_loc[row]), int(query_start_loc[row + 1]))]
+    heads = [head for row, head in rows for _ in range(int(query_start_loc[row + 1] - query_start_loc[row]))]
+    assert plan.local_token.tolist() == local and plan.head_of.tolist() == heads
+    assert plan.query_start_loc.tolist() == [0, 5, 10, 11, 12, 12, 12, 15, 18] and plan.max_query_len == 5
+    assert plan.seq_lens.tolist() == [11, 11, 14, 14, 3, 3, 9, 9]
+    assert plan.page_table[3].tolist() == [7, 17, 3, 23]
+
+
 def test_a_call_without_queries_has_no_arguments():
     query_start_loc = torch.zeros(1, dtype=torch.int32)
     empty = torch.zeros(0, dtype=torch.int32)

@@ -61,15 +61,17 @@ def plan_virtual_sequences(
     counts = qsl[1:] - qsl[:-1]
     rows = counts.numel()
     heads = torch.arange(kv_heads)
-    local = [torch.arange(int(qsl[r]), int(qsl[r + 1])).repeat(kv_heads) for r in range(rows)]
-    head_of = [heads.repeat_interleave(int(counts[r])) for r in range(rows)]
+    virtual_counts = counts.repeat_interleave(kv_heads)
     virtual_qsl = torch.zeros(rows * kv_heads + 1, dtype=torch.int32)
-    virtual_qsl[1:] = counts.repeat_interleave(kv_heads).cumsum(0)
+    virtual_qsl[1:] = virtual_counts.cumsum(0)
+    # Each virtual token's sequence (row * kv_heads + head) and its position in it, for the whole batch at once.
+    sequence = torch.arange(rows * kv_heads).repeat_interleave(virtual_counts)
+    position = torch.arange(sequence.numel()) - virtual_qsl.long()[sequence]
     table = block_table.long()[:, None, :] * kv_heads + heads[None, :, None]
     return VirtualSequences(
         max_query_len=_max_query_len(virtual_qsl),
-        local_token=torch.cat(local) if local else torch.zeros(0, dtype=torch.int64),
-        head_of=torch.cat(head_of) if head_of else torch.zeros(0, dtype=torch.int64),
+        local_token=qsl[sequence // kv_heads] + position,
+        head_of=sequence % kv_heads,
         query_start_loc=virtual_qsl,
         seq_lens=seq_lens.repeat_interleave(kv_heads),
         page_table=table.reshape(rows * kv_heads, -1),
