@@ -144,7 +144,8 @@ class ContextSelection:
     ``token_idx``: the rows' query tokens (one each); ``seq_lens`` and
     ``block_table``: their whole context in vLLM's blocks; ``budgets``: tokens
     a sparse layer attends to, per row. ``selected`` fills as the step runs:
-    filter layer -> the sparse layers' call. ``plan``: the ops' planner for a call over these rows.
+    filter layer -> the sparse layers' one call (the step's stock rows over all
+    their pages, then these over their selected ones). ``plan``: the ops' planner for that call.
     """
 
     token_idx: torch.Tensor
@@ -198,7 +199,8 @@ class RelocatingStep:
 @dataclass
 class SelectingStep:
     """A step of OmniKV: ``sources[l]`` is the filter layer whose selection layer ``l`` attends to
-    (None: full attention); ``stock`` the rows that attend fully everywhere; with offloaded rows,
+    (None: full attention); ``stock`` the rows that attend fully everywhere (in sparse layers, within
+    ``context``'s call when there is one); with offloaded rows,
     ``resident`` is every other row's call (full-attention layers)."""
 
     sources: list[int | None]

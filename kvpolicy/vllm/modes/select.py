@@ -180,6 +180,11 @@ class Select(ModeState[OffloadedRequest]):
         )
 
 
+def pad_columns(table: torch.Tensor, width: int) -> torch.Tensor:
+    """A block table zero-padded on the right to ``width`` columns."""
+    return torch.nn.functional.pad(table, (0, width - table.shape[1]))
+
+
 def padded_table(rows: list[list[int]]) -> torch.Tensor:
     """A block table with one row per virtual sequence, zero-padded to the longest."""
     table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
@@ -222,13 +227,12 @@ class SelectionPath:
                 self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
             if layer_idx in WORKER_STATE.policy.filter_layers:
                 if context is not None:
-                    context.selected[layer_idx] = self._select(layer, query, kv_cache, context)
+                    context.selected[layer_idx] = self._select(layer, query, kv_cache, context, step.stock)
                 if offloaded is not None:
                     offloaded.chosen[layer_idx] = self._select_offloaded(layer, query, pages, layer_idx, offloaded)
         else:
-            self.ops.attend(layer, query, out, kv_cache, step.stock)
-            if context is not None:
-                self.ops.attend(layer, query, out, kv_cache, context.selected[source])
+            # One call: the selected rows over their pages, the stock rows (if any) over all theirs.
+            self.ops.attend(layer, query, out, kv_cache, step.stock if context is None else context.selected[source])
             if offloaded is not None:
                 batch = self._load_selection(pages, layer_idx, offloaded, offloaded.chosen[source])
                 self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
@@ -245,8 +249,9 @@ class SelectionPath:
         WORKER_STATE.counters["selected_pages"] += int(counts.sum())
         return chosen, counts
 
-    def _select(self, layer, query, kv_cache, context: ContextSelection) -> AttentionBatch:
-        """Score each decode row's context with its last token (eq. 3-4) and build the sparse call over its pages."""
+    def _select(self, layer, query, kv_cache, context: ContextSelection, stock: AttentionBatch) -> AttentionBatch:
+        """Score each decode row's context with its last token (eq. 3-4) and build the sparse layers' call:
+        ``stock``'s rows over all their pages, then the decode rows over their selected pages."""
         heads, block_size = kv_cache.shape[1:3]
         lengths = context.seq_lens.long()
         num_pages = -(-lengths // block_size)
@@ -259,9 +264,15 @@ class SelectionPath:
         block_table = table.gather(1, chosen).masked_fill(~in_row, 0)
         # Every page but the current (last) one is full: drop the tokens of the pages left out.
         seq_lens = (lengths - (num_pages - counts) * block_size).to(context.seq_lens.dtype)
-        query_start_loc = torch.arange(len(counts) + 1, dtype=torch.int32)
+        token_idx, query_start_loc = context.token_idx, torch.arange(len(counts) + 1, dtype=torch.int32)
+        if stock.token_idx.numel():
+            width = max(stock.block_table.shape[1], block_table.shape[1])
+            block_table = torch.cat([pad_columns(stock.block_table, width), pad_columns(block_table, width)])
+            seq_lens = torch.cat([stock.seq_lens, seq_lens])
+            token_idx = torch.cat([stock.token_idx, token_idx])
+            query_start_loc = torch.cat([stock.query_start_loc, stock.query_start_loc[-1] + query_start_loc[1:]])
         plan = context.plan(query_start_loc, seq_lens, block_table)
-        return AttentionBatch(context.token_idx, query_start_loc, seq_lens, block_table, heads, plan)
+        return AttentionBatch(token_idx, query_start_loc, seq_lens, block_table, heads, plan)
 
     def _select_offloaded(self, layer, query, pages, layer_idx: int, offloaded: OffloadedBatch) -> list[torch.Tensor]:
         """The filter layer's choice for offloaded rows, from its keys in the request's own pages."""
