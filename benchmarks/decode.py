@@ -1,6 +1,6 @@
 """Long-context decode speed and needle answers: full attention against OmniKV's sparse layers.
 
-    python benchmarks/decode.py --quick   # contexts 4K and 7.6K, budget 1024
+    python benchmarks/decode.py --quick   # contexts 4K and 7.6K, budget 1024 (and 256 tokens, for the bound)
     python benchmarks/decode.py           # contexts 2K, 4K and 7.6K, budgets 512 and 1024
     python benchmarks/decode.py --quick --filter-layers 2 --out benchmarks/results/decode_one_filter.json
 
@@ -26,6 +26,15 @@ key; ``same_answers``: the fraction whose first 12 tokens equal the full
 cache's (the answers themselves are in the JSON); ``blocks_held``: vLLM KV
 blocks in use at the end of that batch's steps. Writes
 ``benchmarks/results/decode.json``, a markdown table and ``decode.png``.
+
+OmniKV's bound, from the same run: the first engine also decodes a
+``SHORT_CONTEXT``-token prompt with the full cache, whose step is what a step
+costs outside attention. A full-cache step at context ``c`` spends
+``(full - short) / layers`` per layer on attention, so if OmniKV's sparse
+layers and its selection were free its step would take ``short +
+full_attention_layers x (full - short) / layers``. ``speedup``: the full
+cache's step over this row's; ``bound``: the full cache's step over that
+free-sparse-layer step; ``of_bound``: speedup / bound (same batch, same context).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ DEPTHS = [0.2, 0.4, 0.6, 0.8]
 STEPS = 24
 ANSWER_TOKENS = 12
 MAX_MODEL_LEN = 8192
+#: The full-cache context whose step stands for a step's cost outside attention (OmniKV's bound).
+SHORT_CONTEXT = 256
 #: The offload engine's host pool: four 8K requests reserve about 1.1 GiB.
 HOST_GIB = 2.0
 OFFLOAD = "omnikv --kv-offload"
@@ -63,6 +74,9 @@ COLUMNS = [
     "same_answers",
     "pages_read",
     "blocks_held",
+    "speedup",
+    "bound",
+    "of_bound",
 ]
 
 
@@ -178,6 +192,8 @@ def run_engine(args) -> dict:
     rows = []
     budgets = [max(args.budgets)] if offload else [None, *args.budgets]
     grid = [(context, budget) for context in args.contexts for budget in budgets]
+    if not offload and SHORT_CONTEXT not in args.contexts:
+        grid.insert(0, (SHORT_CONTEXT, None))
     for context, budget in tqdm(grid, desc=f"{args.engine} engine", unit="config"):
         prompts = passkey_prompts(tokenizer, DEPTHS, context, ANSWER_QUESTION)
         timing, texts = decode(llm, prompts, budget or MAX_MODEL_LEN, f"{context}-{budget}")
@@ -195,13 +211,29 @@ def run_engine(args) -> dict:
                     "answers": answers,
                 }
             )
-    omnikv = KVPolicyConfig.from_dict(llm.llm_engine.vllm_config.additional_config["kv_policy"]).make_policy()
+    config = llm.llm_engine.vllm_config
+    omnikv = KVPolicyConfig.from_dict(config.additional_config["kv_policy"]).make_policy()
+    num_layers = config.model_config.get_num_layers(config.parallel_config)
     settings = {
         "filter_layers": list(omnikv.filter_layers),
         "dense_layers": omnikv.dense_layers,
-        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+        "layers": num_layers,
+        "full_attention_layers": sum(source is None for source in omnikv.source_layers(num_layers)),
+        "block_size": config.cache_config.block_size,
     }
     return {"rows": rows, "settings": settings}
+
+
+def add_bounds(rows: list[dict], layers: int, full_attention_layers: int) -> None:
+    """Each row's speed-up over the full cache and OmniKV's bound (module docstring), from the same run."""
+    full = {(r["context"], r["batch"]): r["ms_per_token"] for r in rows if r["policy"] == "full cache"}
+    for row in rows:
+        stock, short = full.get((row["context"], row["batch"])), full.get((SHORT_CONTEXT, row["batch"]))
+        row["speedup"] = stock / row["ms_per_token"] if stock else None
+        row["bound"] = row["of_bound"] = None
+        if stock and short and row["context"] > SHORT_CONTEXT and row["policy"] != "full cache":
+            row["bound"] = stock / (short + full_attention_layers * (stock - short) / layers)
+            row["of_bound"] = row["speedup"] / row["bound"]
 
 
 def main() -> int:
@@ -251,8 +283,10 @@ def main() -> int:
     for row in rows:
         full = full_answers[row["context"]]
         row["same_answers"] = sum(a == b for a, b in zip(row["answers"], full)) / len(full)
+    add_bounds(rows, settings["layers"], settings["full_attention_layers"])
     settings = {
         "contexts": args.contexts,
+        "short_context": SHORT_CONTEXT,
         "budgets": args.budgets,
         "depths": DEPTHS,
         "steps": STEPS,
