@@ -2,7 +2,7 @@
 
 from kvpolicy.paging.layout import PageLayout
 from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall
-from kvpolicy.paging.page_store import PageStore
+from kvpolicy.paging.page_store import PageStore, virtual_tokens
 from kvpolicy.paging.page_table import RequestPages, TokenMoves, stock_slots, write_order
 from kvpolicy.paging.shared import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages, ValuePairs
 
@@ -22,5 +22,6 @@ __all__ = [
     "TokenMoves",
     "ValuePairs",
     "stock_slots",
+    "virtual_tokens",
     "write_order",
 ]

@@ -19,6 +19,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def virtual_tokens(counts: np.ndarray, heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of ``counts[i]`` tokens each as ``heads`` one-head sequences apiece, ordered (row, head, token):
+    each virtual token's row, head and token within its row, as three arrays."""
+    per_row = heads * counts
+    row = np.repeat(np.arange(len(counts)), per_row)
+    within = np.arange(row.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    return row, within // counts[row], within % counts[row]
+
+
 @dataclass
 class StoreChanges:
     """What changed in ``PageStore.tables`` since the last ``take_changes``: ``resized`` (its shape changed: a
@@ -184,11 +193,8 @@ class PageStore:
             )
             slots = pages.astype(np.int64) * self.block_size + offsets
         else:
-            per_row = heads * counts
-            entry = np.repeat(np.arange(len(rows)), per_row)
-            within = np.arange(entry.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-            head_of = within // counts[entry]
-            positions = lengths[:, entry, head_of] + (within % counts[entry])  # [layers, virtual tokens]
+            entry, head_of, nth = virtual_tokens(counts, heads)
+            positions = lengths[:, entry, head_of] + nth  # [layers, virtual tokens]
             table_rows = rows[entry] * heads + head_of
             width = self.width
             layer_base = np.arange(self.num_layers)[:, None] * (self.num_rows * heads * width)

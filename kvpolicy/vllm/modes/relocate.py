@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpolicy.paging import PageStore, RequestPages, stock_slots
+from kvpolicy.paging import PageStore, RequestPages, stock_slots, virtual_tokens
 from kvpolicy.policies import Policy, Schedule
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
 from kvpolicy.vllm.modes.carried import CarriedScores, CarriedState
@@ -293,18 +293,15 @@ class Relocate(ModeState[RelocatedRequest]):
         this order, and get room for the step's tokens in one ``append``; each layer's table is a view of
         them. ``num_tokens``: the batch's query tokens."""
         heads, num_layers = shape.num_kv_heads, shape.num_layers
-        store = rows[0].pages.store
+        store = self.store
         store.arrange([per_head.pages for per_head in rows])
         first = np.fromiter((r.row.first_token for r in rows), dtype=np.int64, count=len(rows))
         query_lens = np.fromiter((r.row.query_len for r in rows), dtype=np.int64, count=len(rows))
         slots = store.append(np.arange(len(rows)), query_lens)  # [layers, virtual tokens]
         ends = np.cumsum(query_lens)
         token_idx = np.repeat(first - (ends - query_lens), query_lens) + np.arange(int(ends[-1]))
-        per_row = heads * query_lens
-        entry = np.repeat(np.arange(len(rows)), per_row)
-        within = np.arange(entry.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-        token_of = first[entry] + within % query_lens[entry]
-        head_of = within // query_lens[entry]
+        entry, head_of, nth = virtual_tokens(query_lens, heads)
+        token_of = first[entry] + nth
         query_start_loc = torch.zeros(len(rows) * heads + 1, dtype=torch.int32)
         query_start_loc[1:] = torch.from_numpy(np.cumsum(np.repeat(query_lens, heads)))
         lengths = store.lengths[:, : len(rows)].reshape(num_layers, -1)  # a copy: this step's lengths

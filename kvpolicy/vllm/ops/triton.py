@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpolicy.paging import virtual_tokens
 from kvpolicy.vllm.ops.base import KVOps
 from kvpolicy.vllm.ops.staging import StagedStep, TableMirror, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, step_tensors
@@ -64,14 +65,12 @@ def plan_virtual_sequences(
     virtual_counts = counts.repeat_interleave(kv_heads)
     virtual_qsl = torch.zeros(rows * kv_heads + 1, dtype=torch.int32)
     virtual_qsl[1:] = virtual_counts.cumsum(0)
-    # Each virtual token's sequence (row * kv_heads + head) and its position in it, for the whole batch at once.
-    sequence = torch.arange(rows * kv_heads).repeat_interleave(virtual_counts)
-    position = torch.arange(sequence.numel()) - virtual_qsl.long()[sequence]
+    row, head, nth = virtual_tokens(counts.numpy(), kv_heads)
     table = block_table.long()[:, None, :] * kv_heads + heads[None, :, None]
     return VirtualSequences(
         max_query_len=_max_query_len(virtual_qsl),
-        local_token=qsl[sequence // kv_heads] + position,
-        head_of=sequence % kv_heads,
+        local_token=torch.from_numpy(qsl.numpy()[row] + nth),
+        head_of=torch.from_numpy(head),
         query_start_loc=virtual_qsl,
         seq_lens=seq_lens.repeat_interleave(kv_heads),
         page_table=table.reshape(rows * kv_heads, -1),
