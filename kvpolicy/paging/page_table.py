@@ -184,8 +184,12 @@ class RequestPages:
     def _held(self, layer: int) -> list[int]:
         """Pages a layer's tokens occupy: before its first relocation its part of every block."""
         if self.relocated[layer]:
-            return [p for h in range(self.num_heads) for p in self.store.head_pages(layer, self.row, h)]
+            return self._relocated_pages(layer)
         return [p for block in self.blocks if block is not None for p in self._layer_pages(layer, block)]
+
+    def _relocated_pages(self, layer: int) -> list[int]:
+        """The pages a layer's heads hold in its per-head tables (none before its first relocation)."""
+        return [p for h in range(self.num_heads) for p in self.store.head_pages(layer, self.row, h)]
 
     def _stock_slots(self, layer: int, head: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
@@ -313,7 +317,7 @@ class RequestPages:
         for pool, free in enumerate(self.free):
             gone = {p for block in dropped for p in self._pages_of(block, pool)}
             for layer in self._pool_layers(pool):
-                if any(p in gone for h in range(self.num_heads) for p in self.store.head_pages(layer, self.row, h)):
+                if not gone.isdisjoint(self._relocated_pages(layer)):
                     raise RuntimeError(f"a released block still holds pages of layer {layer}")
             self.store.set_free(pool, self.row, [p for p in free if p not in gone])
         return len(dropped)
@@ -325,16 +329,6 @@ class RequestPages:
     def kept_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def page_table(self, width: int) -> np.ndarray:
-        """[layers, heads, width] page ids of every layer, zero-padded: the per-head calls' block tables."""
-        table = self.store.table_of_rows(self.row)[:, :, :width]
-        padded = np.zeros((self.num_layers, self.num_heads, width), dtype=np.int32)
-        padded[:, :, : table.shape[2]] = table
-        return padded
-
     def _page_counts(self) -> np.ndarray:
         """[layers, heads] pages each head holds."""
         return self.store.counts[:, self.row]
-
-    def max_pages(self) -> int:
-        return int(self._page_counts().max())

@@ -80,7 +80,7 @@ def test_append_takes_free_pages_and_new_blocks():
     slots = pages.append()
     assert slots.tolist() == [[[8 * BS, 9 * BS]], [[8 * BS, 9 * BS]]]
     assert pages.lengths.tolist() == [[BS + 1, BS + 1], [BS + 1, BS + 1]]
-    assert pages.page_table(3)[0].tolist() == [[2, 8, 0], [3, 9, 0]]
+    assert pages.store.table_of_rows(pages.row)[0, :, :3].tolist() == [[2, 8, 0], [3, 9, 0]]
 
 
 def test_append_of_a_chunk_fills_the_last_page_then_takes_free_ones():
@@ -112,8 +112,8 @@ def test_appended_slots_are_where_the_tokens_are_read_back():
                 ends = pages.lengths[layer]
                 new = [torch.arange(int(end) - count, int(end)) for end in ends]
                 assert pages.current_slots(layer, new).tolist() == slots[layer].T.reshape(-1).tolist()
-            width = pages.max_pages()
-            table = pages.page_table(width)
+            width = pages.store.width
+            table = pages.store.table_of_rows(pages.row)
             for layer in range(3):
                 for head in range(H):
                     held = pages.head_pages[layer][head]
