@@ -39,6 +39,10 @@ class StoreChanges:
     values: list[np.ndarray] = field(default_factory=list)
 
 
+#: ``PageStore``'s arrays with a part per row, each on its axis 1 (the tables' with ``heads`` entries per row).
+ROW_ARRAYS = ("lengths", "counts", "last_pages", "tables", "free", "free_start", "free_end")
+
+
 class PageStore:
     """Rows of per-(layer, head) page tables over pools of free pages, for requests of one model shape.
 
@@ -88,16 +92,17 @@ class PageStore:
             self._grow_rows(2 * self.num_rows)
         row = self.owners.index(None)
         self.owners[row] = owner
-        self.lengths[:, row] = 0
-        self.counts[:, row] = 0
-        self.last_pages[:, row] = 0
-        self.table_of_rows(row)[:] = 0
-        self.free_start[:, row] = self.free_end[:, row] = 0
+        for array in self._by_row():
+            array[:, row] = 0
         self.changes.rows.add(row)
         return row
 
     def remove(self, row: int) -> None:
         self.owners[row] = None
+
+    def _by_row(self) -> list[np.ndarray]:
+        """Views of every array in ``ROW_ARRAYS`` as [part, rows, rest]: what a row holds is ``[:, row]``."""
+        return [getattr(self, name).reshape(getattr(self, name).shape[0], self.num_rows, -1) for name in ROW_ARRAYS]
 
     def table_of_rows(self, row: int) -> np.ndarray:
         """Every layer's page table of ``row``, [layers, heads, width] (a view)."""
@@ -114,12 +119,7 @@ class PageStore:
         order = np.concatenate([current, np.flatnonzero(~placed)])  # new row i is old row order[i]
         moved = np.flatnonzero(order != np.arange(self.num_rows))
         source = order[moved]
-        self.lengths[:, moved] = self.lengths[:, source]
-        self.counts[:, moved] = self.counts[:, source]
-        self.last_pages[:, moved] = self.last_pages[:, source]
-        rows_view = self.tables.reshape(self.num_layers, self.num_rows, -1)
-        rows_view[:, moved] = rows_view[:, source]
-        for array in (self.free, self.free_start, self.free_end):
+        for array in self._by_row():
             array[:, moved] = array[:, source]
         owners_before = self.owners
         self.owners = [owners_before[i] for i in order]
@@ -270,13 +270,11 @@ class PageStore:
 
     def _grow_rows(self, rows: int) -> None:
         extra = rows - self.num_rows
-        self.lengths = np.pad(self.lengths, ((0, 0), (0, extra), (0, 0)))
-        self.counts = np.pad(self.counts, ((0, 0), (0, extra), (0, 0)))
-        self.last_pages = np.pad(self.last_pages, ((0, 0), (0, extra), (0, 0)))
-        self.tables = np.pad(self.tables, ((0, 0), (0, extra * self.num_heads), (0, 0)))
-        self.free = np.pad(self.free, ((0, 0), (0, extra), (0, 0)))
-        self.free_start = np.pad(self.free_start, ((0, 0), (0, extra)))
-        self.free_end = np.pad(self.free_end, ((0, 0), (0, extra)))
+        for name in ROW_ARRAYS:
+            array = getattr(self, name)
+            padding = [(0, 0)] * array.ndim
+            padding[1] = (0, extra * (array.shape[1] // self.num_rows))
+            setattr(self, name, np.pad(array, padding))
         self.owners.extend([None] * extra)
         self._resized()
 
