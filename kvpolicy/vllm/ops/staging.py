@@ -95,9 +95,8 @@ class StagedStep:
     def _view(self, tensor: torch.Tensor) -> torch.Tensor | None:
         address = tensor.untyped_storage().data_ptr()
         mirror = self.mirrored.get(address)
-        if mirror is not None:
-            view = torch.empty(0, dtype=tensor.dtype, device=self.device)
-            return view.set_(mirror.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        if mirror is not None:  # the device's copy has the host storage's shape: the same offset and strides
+            return mirror.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
         region = self.regions.get(address)
         if region is None or not tensor.numel():
             return None
