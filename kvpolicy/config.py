@@ -219,6 +219,12 @@ class KVPolicyConfig:
         return self.compresses or self.offload is not None
 
     @property
+    def pools_every_layer(self) -> bool:
+        """Whether a request's pages may lie in any layer's part of vLLM's KV buffer (the worker's page
+        space): PoD, ``--kv-offload``, ``--kv-page-pool model``."""
+        return POLICIES[self.policy].mode is Mode.SHARE or self.offload is not None or self.page_pool == "model"
+
+    @property
     def changes_attention(self) -> bool:
         """Whether some request attends to anything but vLLM's stock cache (anything but ``none``)."""
         return self.compresses or POLICIES[self.policy].mode is Mode.SELECT

@@ -18,7 +18,9 @@ from kvpolicy.policies import POLICIES, Mode
 from kvpolicy.vllm.connectors import compose, offloading_child
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
+    KV_CACHE_LAYOUT_ENV,
     MODEL_RUNNER_V2_ENV,
+    PAGE_SPACE_LAYOUTS,
     AsyncEngineArgs,
     AttentionBackendEnum,
     EngineArgs,
@@ -192,7 +194,24 @@ def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
             f"--kv-policy {config.policy} runs on vLLM's V1 model runner; unset {MODEL_RUNNER_V2_ENV}"
         )
     os.environ[MODEL_RUNNER_V2_ENV] = "0"
+    if config.pools_every_layer:
+        _choose_page_space_layout(config)
     return GPU_WORKER_CLS
+
+
+def _choose_page_space_layout(config: KVPolicyConfig) -> None:
+    """Have vLLM lay each layer's cache out as one contiguous [blocks, kv_heads, block_size, 2*head_size]
+    slice of its buffer, which the worker's page space addresses as one-head pages (``PageSpace``).
+
+    vLLM's Triton attention and kvpolicy's Triton ops read any strides; left alone, vLLM picks a layout
+    whose blocks interleave their heads' tokens."""
+    chosen = os.environ.setdefault(KV_CACHE_LAYOUT_ENV, PAGE_SPACE_LAYOUTS[0])
+    if chosen not in PAGE_SPACE_LAYOUTS:
+        raise KVPolicyConfigError(
+            f"--kv-policy {config.policy} needs vLLM's {PAGE_SPACE_LAYOUTS[0]} KV cache layout (each layer's cache "
+            f"one contiguous [blocks, heads, block_size, 2*head_size] slice), and {KV_CACHE_LAYOUT_ENV} is {chosen}; "
+            f"unset it (kvpolicy then sets {PAGE_SPACE_LAYOUTS[0]})"
+        )
 
 
 def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
@@ -246,10 +265,6 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
 def _check_pod_groups(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
     """PoD's layer grouping must be the model's: one block list per KV head covering every layer."""
     model_config = vllm_config.model_config
-    if not current_platform.is_cpu():
-        raise KVPolicyConfigError(
-            "--kv-policy pod runs on vLLM's CPU platform in this release (its torch decode path was not run on a GPU)"
-        )
     if vllm_config.parallel_config.tensor_parallel_size > 1:
         raise KVPolicyConfigError(
             "--kv-policy pod does not support tensor parallelism yet; drop --tensor-parallel-size"

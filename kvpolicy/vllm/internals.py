@@ -45,6 +45,15 @@ GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 #: VllmConfig.use_v2_model_runner); kvpolicy's worker state and step builder read the V1 runner's
 #: ``requests``, ``input_batch`` and ``kv_caches``.
 MODEL_RUNNER_V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+#: The KV cache layout vLLM allocates (v1/kv_cache_layout.py: KVCacheLayout), read once by the engine
+#: core (v1/attention/backends/utils.py: resolve_kv_cache_layout) before it caches the environment.
+#: Every layout puts all layers in one buffer (v1/worker/utils.py: allocate_kv_cache); vLLM's Triton
+#: backend declares none, so on CUDA vLLM picks its first default, LBNHC (a block's tokens interleave
+#: its heads). kvpolicy's page space needs ``PAGE_SPACE_LAYOUTS``.
+KV_CACHE_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+#: LBHNC (and its legacy alias HND): layer-major, then block, then head; each layer's cache is one
+#: contiguous [blocks, kv_heads, block_size, 2*head_size] slice of the buffer. The CPU backend's only layout.
+PAGE_SPACE_LAYOUTS = ("LBHNC", "HND")
 #: Cores vLLM's CPU executor keeps away from the workers (vllm/utils/ompmultiprocessing.py).
 #: It adds one per rank for *any* KV connector (meant for NIXL transfers).
 CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -212,10 +221,12 @@ __all__ = [
     "KVConnectorWorkerMetadata",
     "KVConnectorStats",
     "KVTransferConfig",
+    "KV_CACHE_LAYOUT_ENV",
     "KV_MEMORY_NEEDED_FUNCTIONS",
     "SamplingParams",
     "TRITON_ATTN_MODULE",
     "MODEL_RUNNER_V2_ENV",
+    "PAGE_SPACE_LAYOUTS",
     "VLLMValidationError",
     "VllmConfig",
     "current_platform",

@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PageSpace:
     """vLLM's whole KV buffer (every layer) as one-head pages, [pages, 1, block_size, 2*head_size];
-    layer ``l``'s block ``b``, head ``h`` is page ``layer_base[l] + b*H + h``."""
+    layer ``l``'s block ``b``, head ``h`` is page ``layer_base[l] + b*H + h``.
+
+    vLLM allocates every layer in one buffer; this needs its LBHNC layout, where each layer's cache
+    is a contiguous slice (the CPU platform's; on CUDA ``args`` asks vLLM for it)."""
 
     pages: torch.Tensor
     layer_base: list[int]
@@ -41,7 +44,8 @@ class PageSpace:
             if cache.untyped_storage().data_ptr() != storage.data_ptr() or not cache.is_contiguous():
                 raise RuntimeError(
                     "kvpolicy's page space (--kv-offload, pod, --kv-page-pool model) needs every layer's KV cache "
-                    "in one contiguous buffer; this vLLM build allocates them otherwise: use --kv-page-pool layer"
+                    "to be a contiguous [blocks, heads, block_size, 2*head_size] slice of one buffer (vLLM's LBHNC "
+                    f"layout); these are not (strides {tuple(cache.stride())})"
                 )
             if cache.storage_offset() % page_elems:
                 raise RuntimeError("a layer's KV cache does not start at a page boundary of the shared buffer")

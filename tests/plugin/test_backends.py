@@ -14,7 +14,13 @@ import pytest
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
 from kvpolicy.vllm import args, cpu_backend, cuda_backend
 from kvpolicy.vllm.attention import KVPolicyAttention
-from kvpolicy.vllm.internals import MODEL_RUNNER_V2_ENV, AttentionBackendEnum, AttentionCGSupport, EngineArgs
+from kvpolicy.vllm.internals import (
+    KV_CACHE_LAYOUT_ENV,
+    MODEL_RUNNER_V2_ENV,
+    AttentionBackendEnum,
+    AttentionCGSupport,
+    EngineArgs,
+)
 
 
 @pytest.mark.parametrize(
@@ -42,14 +48,6 @@ def test_cuda_builder_gives_up_cuda_graphs_for_attention_only_while_a_policy_cha
 
     assert support(None) == support("none") == stock
     assert support("adasnap") == AttentionCGSupport.NEVER
-
-
-@pytest.fixture
-def on_cuda(monkeypatch):
-    monkeypatch.setattr(args, "current_platform", SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True))
-    monkeypatch.setenv(MODEL_RUNNER_V2_ENV, "0")  # restored after the test: the plugin sets it
-    monkeypatch.delenv(MODEL_RUNNER_V2_ENV)
-    return monkeypatch
 
 
 def test_on_cuda_a_policy_gets_vllms_triton_attention_v1_model_runner_and_synchronous_scheduler(on_cuda):
@@ -102,3 +100,42 @@ def test_on_cuda_none_keeps_vllms_scheduler(on_cuda):
     engine_args = EngineArgs(model="m")
     args._prepare_engine_args(engine_args, KVPolicyConfig(policy="none"))
     assert engine_args.async_scheduling is None
+
+
+@pytest.mark.parametrize("given, kept", [(None, "LBHNC"), ("LBHNC", "LBHNC"), ("HND", "HND")])
+def test_on_cuda_pod_is_accepted_and_asks_vllm_for_the_layout_its_page_space_addresses(on_cuda, given, kept):
+    if given is not None:
+        on_cuda.setenv(KV_CACHE_LAYOUT_ENV, given)
+    engine_args = EngineArgs(model="m")
+    args._prepare_engine_args(engine_args, KVPolicyConfig(policy="pod"))
+    assert engine_args.worker_cls == args.GPU_WORKER_CLS
+    assert args.os.environ[KV_CACHE_LAYOUT_ENV] == kept
+
+
+def test_on_cuda_pod_is_refused_under_a_layout_whose_blocks_interleave_their_heads(on_cuda):
+    on_cuda.setenv(KV_CACHE_LAYOUT_ENV, "LBNHC")
+    with pytest.raises(KVPolicyConfigError, match=f"{KV_CACHE_LAYOUT_ENV} is LBNHC; unset it"):
+        args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="pod"))
+
+
+@pytest.mark.parametrize("policy", ["none", "adasnap", "omnikv"])
+def test_on_cuda_policies_with_pages_in_each_layer_leave_vllms_layout_alone(on_cuda, policy):
+    args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy=policy, budget=128))
+    assert KV_CACHE_LAYOUT_ENV not in args.os.environ
+
+
+def test_on_cuda_pod_checks_its_grouping_and_still_refuses_tensor_parallelism(on_cuda):
+    config = KVPolicyConfig(policy="pod")
+    groups = config.make_policy().layer_groups()
+
+    def vllm_config(tensor_parallel: int):
+        model = SimpleNamespace(
+            model="m", get_num_layers=lambda _: groups.num_layers, get_num_kv_heads=lambda _: groups.num_heads
+        )
+        return SimpleNamespace(
+            model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel)
+        )
+
+    args._check_pod_groups(config, vllm_config(1))
+    with pytest.raises(KVPolicyConfigError, match="does not support tensor parallelism yet"):
+        args._check_pod_groups(config, vllm_config(2))
