@@ -38,7 +38,9 @@ class PageSpace:
         page_elems = block_size * width
         storage = first.untyped_storage()
         num_pages = storage.nbytes() // first.element_size() // page_elems
-        pages = torch.empty(0, dtype=first.dtype).set_(storage, 0, (num_pages, 1, block_size, width))
+        pages = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            storage, 0, (num_pages, 1, block_size, width)
+        )
         bases = []
         for cache in kv_caches:
             if cache.untyped_storage().data_ptr() != storage.data_ptr() or not cache.is_contiguous():

@@ -32,7 +32,7 @@ def resolved_layout(backend) -> str:
     return resolve_kv_cache_layout(VllmConfig(), [supported], [SPEC]).name
 
 
-def vllm_kv_caches(layout: str) -> list[torch.Tensor]:
+def vllm_kv_caches(layout: str, device: str = "cpu") -> list[torch.Tensor]:
     """Each layer's cache as vLLM's worker allocates it, in layer order (``GPUModelRunner.initialize_kv_cache``)."""
     vllm_config = VllmConfig()
     vllm_config.cache_config.kv_cache_layout = layout
@@ -42,7 +42,7 @@ def vllm_kv_caches(layout: str) -> list[torch.Tensor]:
     )
     assert kv_cache_config.num_blocks == NUM_BLOCKS
     resolved = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), resolved, [BLOCK_SIZE])
+    caches = allocate_kv_cache(kv_cache_config, torch.device(device), resolved, [BLOCK_SIZE])
     return [caches[name] for name in LAYERS]
 
 
@@ -73,3 +73,12 @@ def test_the_page_space_addresses_each_layers_block_and_head_of_vllms_lbhnc_cach
 def test_the_page_space_refuses_vllms_cuda_default_where_a_blocks_heads_interleave():
     with pytest.raises(RuntimeError, match="vLLM's LBHNC layout"):
         PageSpace.of(vllm_kv_caches("LBNHC"))
+
+
+def test_the_page_space_lies_on_the_caches_device():
+    """A tensor takes a storage only on its own device: the page space of a GPU's buffer is on that GPU
+    (the meta device stands in for it here)."""
+    space = PageSpace.of(vllm_kv_caches("LBHNC", device="meta"))
+    assert space.pages.device.type == "meta"
+    assert space.pages.shape == (NUM_LAYERS * NUM_BLOCKS * NUM_KV_HEADS, 1, BLOCK_SIZE, 2 * HEAD_SIZE)
+    assert space.layer_base == [layer * NUM_BLOCKS * NUM_KV_HEADS for layer in range(NUM_LAYERS)]
