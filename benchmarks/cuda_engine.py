@@ -11,8 +11,9 @@ greedy tokens with 5 logprobs each) on a random-weight Llama made by
 head size 64 as in the default model, fp32. The weights come from a fixed
 seed, so both machines build the same ones (their hash is recorded and
 compared). 32-token blocks, the size both platforms accept, and a 256 MiB
-pool, so block counts match. On CUDA the runs also check that `pod` and
-``--kv-offload`` are refused with their message, run `adasnap` once with
+pool, so block counts match. `pod` runs with a grouping of this model's
+layers (``POD_GROUPS``, written beside the runs). On CUDA the runs also check
+that ``--kv-offload`` is refused with its message, run `adasnap` once with
 vLLM's CUDA graphs, and serve `adasnap` through vLLM's OpenAI server,
 asked with the OpenAI client, its counters read from ``/metrics``.
 """
@@ -52,11 +53,14 @@ CONFIGS = {
     **{name: ["--policy", name, "--budget", BUDGET] for name in SCORED},
     "omnikv": ["--policy", "omnikv", "--budget", BUDGET, "--filter-layers", "0", "--dense-layers", "0"],
     "adasnap+prefix-caching": ["--policy", "adasnap", "--budget", BUDGET, "--prefix-caching", "--shared-prefix", "512"],
+    # 256 recent tokens: the prompts past 288 tokens have a block of distant tokens and are laid out.
+    "pod": ["--policy", "pod", "--recent-tokens", "256"],
 }
+#: PoD's grouping of the model: KV head 0 shares layer 0's distant logits with layers 1-2, head 1 layer 1's with 2.
+POD_GROUPS = [[[0, 1, 2]], [[0], [1, 2]]]
 #: Configs run on CUDA only: what the CUDA path adds or refuses (``refused``: the message it must give).
 CUDA_CONFIGS = {
     "adasnap+cuda-graphs": {"args": ["--policy", "adasnap", "--budget", BUDGET, "--cuda-graphs"]},
-    "pod": {"args": ["--policy", "pod"], "refused": "runs on vLLM's CPU platform"},
     "omnikv+offload": {
         "args": [
             "--policy",
@@ -192,6 +196,9 @@ def run(args) -> None:
         ThreadPoolExecutor(args.jobs) as pool,
         tqdm(total=len(jobs), desc="engines") as bar,
     ):
+        pod_groups = Path(work) / "pod_groups.json"
+        pod_groups.write_text(json.dumps({"blocks": POD_GROUPS}))
+        jobs = {name: [*cfg, "--pod-groups", str(pod_groups)] if "pod" in cfg else cfg for name, cfg in jobs.items()}
         futures = {pool.submit(run_config, name, cfg, model, Path(work)): name for name, cfg in jobs.items()}
         for future in as_completed(futures):
             name, record = futures[future], future.result()
