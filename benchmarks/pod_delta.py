@@ -1,0 +1,150 @@
+"""PoD's grouping threshold δ against what it saves and what it answers: the trade-off curve.
+
+    python benchmarks/pod_delta.py                       # δ 0.5-0.7 at 2K/4K/8K, passkey, niah, multikey
+    python benchmarks/pod_delta.py --deltas 0.5 0.6 --lengths 2000
+
+A higher δ groups fewer layers (Algorithm 1 of PoD, arXiv:2412.02252), so fewer (layer, KV head)
+pairs share the distant tokens' logits: less K+V saved, answers nearer the full cache's. Each δ's
+grouping is made from the similarity the shipped calibration measured
+(``kvpolicy/data/pod_groups_smollm2.json``; ``python -m kvpolicy.calibrate_pod --delta X`` measures
+it again), saved under ``results/pod_delta_groups/`` and served with ``--kv-pod-groups``. The answers
+come from the quality harness (``benchmarks/quality.py``, its prompts, its cell cache, its JSON beside
+this one); the K+V saved at each length is ``PoD.saved_fraction`` of the grouping. Writes
+``results/pod_delta.json``, a table and a plot of accuracy against K+V saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
+from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers  # noqa: E402
+
+DEFAULTS = {
+    "deltas": [0.5, 0.55, 0.6, 0.65, 0.7],
+    "lengths": [2000, 4000, 8000],
+    "tasks": ["passkey", "niah", "multikey"],
+}
+COLUMNS = ["delta", "context", "kv_saved", "accuracy", "full_cache", "n"]
+
+
+def grouping_of(similarity: torch.Tensor, delta: float, folder: Path) -> Path:
+    """The grouping at ``delta`` as a ``--kv-pod-groups`` file."""
+    groups = LayerGroups.of(group_layers(similarity, delta))
+    path = folder / f"delta{delta:g}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"delta": delta, "blocks": [[list(b) for b in head] for head in groups.blocks]}))
+    return Path(os.path.relpath(path))
+
+
+def spec_of(path: Path) -> str:
+    return f"pod:pod_groups={path}@full"
+
+
+def accuracy_by_length(runs: list[dict], policy: str, cells: set) -> dict[int, tuple[float, int]]:
+    """Mean accuracy over the (task, context) ``cells`` of each context, and the prompts it covers."""
+    sums: dict[int, list[float]] = {}
+    for run in runs:
+        if run["policy"] == policy and (run["task"], run["context"]) in cells:
+            total = sums.setdefault(run["context"], [0.0, 0])
+            total[0] += run["accuracy"] * run["n"]
+            total[1] += run["n"]
+    return {length: (hits / n, n) for length, (hits, n) in sums.items()}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for length in sorted({row["context"] for row in rows}):
+        points = [row for row in rows if row["context"] == length]
+        (line,) = ax.plot([p["kv_saved"] for p in points], [p["accuracy"] for p in points], "o-", label=f"{length}")
+        ax.axhline(points[0]["full_cache"], color=line.get_color(), linestyle=":", linewidth=1)
+        for p in points:
+            ax.annotate(
+                f"δ {p['delta']:g}",
+                (p["kv_saved"], p["accuracy"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    ax.set_xlabel("K+V saved (fraction of the full cache)")
+    ax.set_ylabel("accuracy (passkey, niah, multikey)")
+    ax.set_title("PoD: grouping threshold δ, untrained default model (dotted: full cache)")
+    ax.legend(title="tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--deltas", nargs="+", type=float, default=DEFAULTS["deltas"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=DEFAULTS["lengths"])
+    parser.add_argument("--tasks", nargs="+", default=DEFAULTS["tasks"])
+    parser.add_argument("--seeds", type=int, default=1, help="prompts per task, length and depth (default 1)")
+    parser.add_argument(
+        "--similarity", type=Path, default=DEFAULT_GROUPS, help="a calibration JSON with its similarity"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "pod_delta.json")
+    args = parser.parse_args()
+    if not all(0 <= d <= 1 for d in args.deltas):
+        raise SystemExit("--deltas are similarities in [0, 1]")
+
+    similarity = torch.tensor(json.loads(args.similarity.read_text())["similarity"], dtype=torch.float64)
+    groupings = {delta: grouping_of(similarity, delta, args.out.parent / "pod_delta_groups") for delta in args.deltas}
+    harness = args.out.with_name(args.out.stem + "_quality.json")
+    command = [
+        sys.executable,
+        str(Path(__file__).with_name("quality.py")),
+        "--tasks",
+        *args.tasks,
+        "--lengths",
+        *map(str, args.lengths),
+        "--seeds",
+        str(args.seeds),
+        "--policies",
+        *map(spec_of, groupings.values()),
+        "--out",
+        str(harness),
+    ]
+    subprocess.run(command, check=True)
+    runs = json.loads(harness.read_text())["runs"]
+
+    policies = {delta: spec_of(path).split("@")[0] for delta, path in groupings.items()}
+    solved = {(run["task"], run["context"]) for run in runs if run["policy"] in policies.values()}
+    full = accuracy_by_length(runs, "none", solved)
+    pod = PoD()
+    rows = []
+    for delta, path in groupings.items():
+        groups = LayerGroups.load(path)
+        for length, (accuracy, n) in sorted(accuracy_by_length(runs, policies[delta], solved).items()):
+            saved = pod.saved_fraction(groups, length)
+            rows.append(
+                {
+                    "delta": delta,
+                    "context": length,
+                    "kv_saved": saved,
+                    "accuracy": accuracy,
+                    "full_cache": full[length][0],
+                    "n": n,
+                }
+            )
+    settings = {**vars(args), "harness": str(harness), "similarity": str(args.similarity), "out": str(args.out)}
+    write_results(args.out, settings, rows, COLUMNS, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
