@@ -1,5 +1,6 @@
 """Shared by the kernels here: the element offsets of K or V rows at slots (the Triton side of
-PageGeometry), and whether a kernel's ``tl.dot`` may take the cache's own dtype."""
+PageGeometry), the slots a page table gives positions, pointers to rows of a [T, H, D] tensor, the mask
+of a tile of rows, and whether a kernel's ``tl.dot`` may take the cache's own dtype."""
 
 import os
 
@@ -22,3 +23,52 @@ def slot_offsets(slots, dims, block_size, heads_per_block, block_stride, head_st
     token = slots % block_size
     base = (page // heads_per_block) * block_stride + (page % heads_per_block) * head_stride
     return (base + offset + token * token_stride)[:, None] + dims.to(tl.int64)[None, :] * dim_stride
+
+
+@triton.jit
+def kv_offsets(
+    slots,
+    dims,
+    block_size,
+    heads_per_block,
+    block_stride,
+    head_stride,
+    k_offset,
+    k_token_stride,
+    k_dim_stride,
+    v_offset,
+    v_token_stride,
+    v_dim_stride,
+):
+    """``slot_offsets`` of the K rows and of the V rows at ``slots``, from the ints of PageGeometry.addressing."""
+    k_at = slot_offsets(
+        slots, dims, block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride
+    )
+    v_at = slot_offsets(
+        slots, dims, block_size, heads_per_block, block_stride, head_stride, v_offset, v_token_stride, v_dim_stride
+    )
+    return k_at, v_at
+
+
+@triton.jit
+def table_slots(table_ptr, row, table_stride, positions, mask, block_size):
+    """Slots [n] (int64) of token ``positions`` [n] of page-table row ``row``; the table is read where ``mask``."""
+    page = tl.load(table_ptr + row * table_stride + positions // block_size, mask=mask, other=0).to(tl.int64)
+    return page * block_size + positions % block_size
+
+
+@triton.jit
+def row_pointers(ptr, token, head, dims, stride_t, stride_h, stride_d):
+    """Pointers [n, dims] to rows ``[token, head, :]`` of a [T, H, D] tensor; ``token`` a scalar or [n], ``head`` [n]."""
+    return ptr + (token * stride_t + head * stride_h)[:, None] + dims[None, :] * stride_d
+
+
+@triton.jit
+def tile_mask(row_ok, dim_ok, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """The mask of a [rows, HEAD_PAD] tile: constant along the head dimension when no dimension is padding,
+    so the loads vectorise."""
+    if HEAD_SIZE == HEAD_PAD:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & dim_ok[None, :]
+    return mask

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import slot_offsets
+from .addressing import kv_offsets
 from .geometry import PageGeometry, flat
 
 ROWS = 16
@@ -53,12 +53,22 @@ def _copy_tokens_kernel(
     mask = row_ok[:, None] & (dims < head_size)[None, :]
     k_buf = k_buf_ptr + row.to(tl.int64)[:, None] * k_buf_stride_n + dims[None, :] * k_buf_stride_d
     v_buf = v_buf_ptr + row.to(tl.int64)[:, None] * v_buf_stride_n + dims[None, :] * v_buf_stride_d
-    k_cache = cache_ptr + slot_offsets(
-        slots, dims, block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride
+    k_at, v_at = kv_offsets(
+        slots,
+        dims,
+        block_size,
+        heads_per_block,
+        block_stride,
+        head_stride,
+        k_offset,
+        k_token_stride,
+        k_dim_stride,
+        v_offset,
+        v_token_stride,
+        v_dim_stride,
     )
-    v_cache = cache_ptr + slot_offsets(
-        slots, dims, block_size, heads_per_block, block_stride, head_stride, v_offset, v_token_stride, v_dim_stride
-    )
+    k_cache = cache_ptr + k_at
+    v_cache = cache_ptr + v_at
     if TO_CACHE:
         tl.store(k_cache, tl.load(k_buf, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache, tl.load(v_buf, mask=mask).to(cache_ptr.dtype.element_ty), mask=mask)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import slot_offsets
+from .addressing import kv_offsets, row_pointers
 from .geometry import PageGeometry, flat
 
 ROWS = 16
@@ -48,18 +48,23 @@ def _write_slots_kernel(
     slots = tl.load(slots_ptr + row, mask=row_ok, other=0)
     dims = tl.arange(0, HEAD_PAD)
     mask = row_ok[:, None] & (dims < head_size)[None, :]
-    key = tl.load(
-        key_ptr + (token * key_stride_t + head * key_stride_h)[:, None] + dims[None, :] * key_stride_d, mask=mask
-    )
+    key = tl.load(row_pointers(key_ptr, token, head, dims, key_stride_t, key_stride_h, key_stride_d), mask=mask)
     value = tl.load(
-        value_ptr + (token * value_stride_t + head * value_stride_h)[:, None] + dims[None, :] * value_stride_d,
-        mask=mask,
+        row_pointers(value_ptr, token, head, dims, value_stride_t, value_stride_h, value_stride_d), mask=mask
     )
-    k_at = slot_offsets(
-        slots, dims, block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride
-    )
-    v_at = slot_offsets(
-        slots, dims, block_size, heads_per_block, block_stride, head_stride, v_offset, v_token_stride, v_dim_stride
+    k_at, v_at = kv_offsets(
+        slots,
+        dims,
+        block_size,
+        heads_per_block,
+        block_stride,
+        head_stride,
+        k_offset,
+        k_token_stride,
+        k_dim_stride,
+        v_offset,
+        v_token_stride,
+        v_dim_stride,
     )
     tl.store(cache_ptr + k_at, key.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(cache_ptr + v_at, value.to(cache_ptr.dtype.element_ty), mask=mask)
