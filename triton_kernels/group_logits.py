@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import dot_in_cache_dtype, slot_offsets
+from .addressing import dot_in_cache_dtype, slot_offsets, table_slots, tile_mask
+from .attention_math import key_logits, load_queries
 from .geometry import PageGeometry
 
 BLOCK_N = 128
@@ -60,43 +61,21 @@ def _group_logits_kernel(
     head_ok = tl.arange(0, ROWS) < group
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    q = tl.load(
-        query_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :] * q_stride_d,
-        mask=head_ok[:, None] & dim_ok[None, :],
-        other=0.0,
+    q = load_queries(
+        query_ptr, cache_ptr, token, heads, head_ok, dims, dim_ok, q_stride_t, q_stride_h, q_stride_d, LOW_PRECISION
     )
     keys = first + tl.arange(0, BLOCK_N)
     key_ok = keys < length
-    page = tl.load(page_table_ptr + seq * table_stride + keys // block_size, mask=key_ok, other=0).to(tl.int64)
-    # A mask constant along the head dimension lets the loads vectorise when no dimension is padding.
-    if HEAD_SIZE == HEAD_PAD:
-        k_mask = key_ok[:, None]
-    else:
-        k_mask = key_ok[:, None] & dim_ok[None, :]
-    k = tl.load(
-        cache_ptr
-        + slot_offsets(
-            page * block_size + keys % block_size,
-            dims,
-            block_size,
-            heads_per_block,
-            block_stride,
-            head_stride,
-            k_offset,
-            k_token_stride,
-            k_dim_stride,
-        ),
-        mask=k_mask,
-        other=0.0,
+    slots = table_slots(page_table_ptr, seq, table_stride, keys, key_ok, block_size)
+    k_at = slot_offsets(
+        slots, dims, block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride
     )
-    if LOW_PRECISION:
-        logits = tl.dot(q.to(k.dtype), tl.trans(k))
-    else:
-        logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    k = tl.load(cache_ptr + k_at, mask=tile_mask(key_ok, dim_ok, HEAD_SIZE, HEAD_PAD), other=0.0)
+    logits = key_logits(q, k, scale, LOW_PRECISION)
     rows = tl.arange(0, ROWS)
     tl.store(
         out_ptr + seq * out_stride_s + rows[:, None] * out_stride_h + keys[None, :],
-        logits * scale,
+        logits,
         mask=head_ok[:, None] & key_ok[None, :],
     )
 

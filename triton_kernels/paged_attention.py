@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import dot_in_cache_dtype, slot_offsets
+from .addressing import dot_in_cache_dtype, kv_offsets, row_pointers, table_slots, tile_mask
+from .attention_math import attend_step, key_logits, load_queries
 from .geometry import PageGeometry, flat
 
 
@@ -101,12 +102,9 @@ def _paged_attention_kernel(
     position = seq_len - count + q_in_seq
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    q = tl.load(
-        query_ptr + token[:, None] * q_stride_t + q_head[:, None] * q_stride_h + dims[None, :] * q_stride_d,
-        mask=row_ok[:, None] & dim_ok[None, :],
-        other=0.0,
+    q = load_queries(
+        query_ptr, cache_ptr, token, q_head, row_ok, dims, dim_ok, q_stride_t, q_stride_h, q_stride_d, LOW_PRECISION
     )
-    q = q.to(cache_ptr.dtype.element_ty) if LOW_PRECISION else q.to(tl.float32)
 
     # Keys this tile needs (its last row's), cut into SPLITS ranges of whole key blocks.
     visible = seq_len - count + tl.minimum(first_q + BLOCK_Q, count)
@@ -121,67 +119,33 @@ def _paged_attention_kernel(
     for key_start in range(start, stop, BLOCK_N):
         j = key_start + keys
         key_ok = j < stop
-        page = tl.load(page_table_ptr + seq * table_stride + j // block_size, mask=key_ok, other=0).to(tl.int64)
-        slots = page * block_size + j % block_size
-        # Masks constant along the head dimension let the loads vectorise when no dimension is padding.
-        if HEAD_SIZE == HEAD_PAD:
-            kv_mask = key_ok[:, None]
-        else:
-            kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            cache_ptr
-            + slot_offsets(
-                slots,
-                dims,
-                block_size,
-                heads_per_block,
-                block_stride,
-                head_stride,
-                k_offset,
-                k_token_stride,
-                k_dim_stride,
-            ),
-            mask=kv_mask,
-            other=0.0,
+        slots = table_slots(page_table_ptr, seq, table_stride, j, key_ok, block_size)
+        k_at, v_at = kv_offsets(
+            slots,
+            dims,
+            block_size,
+            heads_per_block,
+            block_stride,
+            head_stride,
+            k_offset,
+            k_token_stride,
+            k_dim_stride,
+            v_offset,
+            v_token_stride,
+            v_dim_stride,
         )
-        v = tl.load(
-            cache_ptr
-            + slot_offsets(
-                slots,
-                dims,
-                block_size,
-                heads_per_block,
-                block_stride,
-                head_stride,
-                v_offset,
-                v_token_stride,
-                v_dim_stride,
-            ),
-            mask=kv_mask,
-            other=0.0,
-        )
-        if LOW_PRECISION:
-            logits = tl.dot(q, tl.trans(k)) * qk_scale
-        else:
-            logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+        kv_mask = tile_mask(key_ok, dim_ok, HEAD_SIZE, HEAD_PAD)
+        k = tl.load(cache_ptr + k_at, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + v_at, mask=kv_mask, other=0.0)
+        logits = key_logits(q, k, qk_scale, LOW_PRECISION)
         live = key_ok[None, :] & (j[None, :] <= position[:, None]) & row_ok[:, None]
         logits = tl.where(live, logits, float("-inf"))
-        new_best = tl.maximum(best, tl.max(logits, axis=1))
-        # Rows with no live key yet keep a -inf maximum; shift them by 0 so exp2 stays 0, not NaN.
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
-        weights = tl.exp2(logits - shift[:, None])
-        rescale = tl.exp2(best - shift)
-        total = total * rescale + tl.sum(weights, axis=1)
-        if LOW_PRECISION:
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
-        else:
-            acc = acc * rescale[:, None] + tl.dot(weights, v.to(tl.float32), input_precision="ieee")
-        best = new_best
+        best, total, acc = attend_step(best, total, acc, logits, v, EXP2=True, LOW_PRECISION=LOW_PRECISION)
 
     if SPLITS == 1:
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
-            out_ptr + token[:, None] * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
+            row_pointers(out_ptr, token, q_head, dims, o_stride_t, o_stride_h, o_stride_d),
             result.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & dim_ok[None, :],
         )
@@ -234,7 +198,7 @@ def _merge_splits_kernel(
     q_head = tl.load(head_of_ptr + vrow).to(tl.int64) * group + heads
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
-        out_ptr + token * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
+        row_pointers(out_ptr, token, q_head, dims, o_stride_t, o_stride_h, o_stride_d),
         result.to(out_ptr.dtype.element_ty),
         mask=head_ok[:, None] & (dims < head_size)[None, :],
     )

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import dot_in_cache_dtype, slot_offsets
+from .addressing import dot_in_cache_dtype, kv_offsets, row_pointers, table_slots, tile_mask
+from .attention_math import attend_step, key_logits, load_queries, softmax_step, weighted_values
 from .geometry import PageGeometry, flat
 
 BLOCK_N = 64
@@ -83,22 +84,14 @@ def _pod_attention_kernel(
     q_head = tl.load(head_of_ptr + seq).to(tl.int64) * group + rows
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    q = tl.load(
-        query_ptr + token * q_stride_t + q_head[:, None] * q_stride_h + dims[None, :] * q_stride_d,
-        mask=head_ok[:, None] & dim_ok[None, :],
-        other=0.0,
+    q = load_queries(
+        query_ptr, cache_ptr, token, q_head, head_ok, dims, dim_ok, q_stride_t, q_stride_h, q_stride_d, LOW_PRECISION
     )
-    q = q.to(cache_ptr.dtype.element_ty) if LOW_PRECISION else q.to(tl.float32)
     length = tl.load(seq_lens_ptr + seq).to(tl.int64)
     start = tl.load(distant_start_ptr + seq).to(tl.int64)
     count = tl.load(distant_count_ptr + seq).to(tl.int64)
     read_from = tl.load(read_from_ptr + seq).to(tl.int64)
     write_to = tl.load(write_to_ptr + seq).to(tl.int64)
-    # Masks constant along the head dimension let the loads vectorise when no dimension is padding.
-    if HEAD_SIZE == HEAD_PAD:
-        dim_mask = dims[None, :] >= 0
-    else:
-        dim_mask = dim_ok[None, :]
 
     # The own keys: online softmax (best, total, acc); a lowest layer also stores its distant logits.
     best = tl.full((ROWS,), float("-inf"), tl.float32)
@@ -108,45 +101,25 @@ def _pod_attention_kernel(
     for key_start in range(0, length, BLOCK_N):
         j = key_start + keys
         key_ok = j < length
-        page = tl.load(page_table_ptr + seq * table_stride + j // block_size, mask=key_ok, other=0).to(tl.int64)
-        slots = page * block_size + j % block_size
-        mask = key_ok[:, None] & dim_mask
-        k = tl.load(
-            cache_ptr
-            + slot_offsets(
-                slots,
-                dims,
-                block_size,
-                heads_per_block,
-                block_stride,
-                head_stride,
-                k_offset,
-                k_token_stride,
-                k_dim_stride,
-            ),
-            mask=mask,
-            other=0.0,
+        slots = table_slots(page_table_ptr, seq, table_stride, j, key_ok, block_size)
+        k_at, v_at = kv_offsets(
+            slots,
+            dims,
+            block_size,
+            heads_per_block,
+            block_stride,
+            head_stride,
+            k_offset,
+            k_token_stride,
+            k_dim_stride,
+            v_offset,
+            v_token_stride,
+            v_dim_stride,
         )
-        v = tl.load(
-            cache_ptr
-            + slot_offsets(
-                slots,
-                dims,
-                block_size,
-                heads_per_block,
-                block_stride,
-                head_stride,
-                v_offset,
-                v_token_stride,
-                v_dim_stride,
-            ),
-            mask=mask,
-            other=0.0,
-        )
-        if LOW_PRECISION:
-            logits = tl.dot(q, tl.trans(k)) * scale
-        else:
-            logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        mask = tile_mask(key_ok, dim_ok, HEAD_SIZE, HEAD_PAD)
+        k = tl.load(cache_ptr + k_at, mask=mask, other=0.0)
+        v = tl.load(cache_ptr + v_at, mask=mask, other=0.0)
+        logits = key_logits(q, k, scale, LOW_PRECISION)
         if write_to >= 0:
             distant = key_ok & (j >= start) & (j < start + count)
             tl.store(
@@ -155,15 +128,7 @@ def _pod_attention_kernel(
                 mask=head_ok[:, None] & distant[None, :],
             )
         logits = tl.where(key_ok[None, :], logits, float("-inf"))
-        new_best = tl.maximum(best, tl.max(logits, axis=1))
-        weights = tl.exp(logits - new_best[:, None])
-        rescale = tl.exp(best - new_best)
-        total = total * rescale + tl.sum(weights, axis=1)
-        if LOW_PRECISION:
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
-        else:
-            acc = acc * rescale[:, None] + tl.dot(weights, v.to(tl.float32), input_precision="ieee")
-        best = new_best
+        best, total, acc = attend_step(best, total, acc, logits, v, EXP2=False, LOW_PRECISION=LOW_PRECISION)
     result = acc / total[:, None]
     skipped = rows < 0
 
@@ -175,10 +140,9 @@ def _pod_attention_kernel(
         for far_start in range(0, count, BLOCK_N):
             i = far_start + keys
             x = tl.load(shared + i[None, :], mask=head_ok[:, None] & (i < count)[None, :], other=float("-inf"))
-            new_best = tl.maximum(far_best, tl.max(x, axis=1))
-            new_best = tl.where(new_best == float("-inf"), 0.0, new_best)
-            far_total = far_total * tl.exp(far_best - new_best) + tl.sum(tl.exp(x - new_best[:, None]), axis=1)
-            far_best = new_best
+            far_best, far_total, _, _ = softmax_step(far_best, far_total, x, EXP2=False)
+        # Rows past G read no logit: a maximum of 0, not -inf, keeps their exp(x - far_best) 0 rather than NaN.
+        far_best = tl.where(far_best == float("-inf"), 0.0, far_best)
         top = tl.maximum(best, far_best)
         near_mass = total * tl.exp(best - top)
         far_mass = far_total * tl.exp(far_best - top)
@@ -190,11 +154,8 @@ def _pod_attention_kernel(
             x = tl.load(shared + i[None, :], mask=head_ok[:, None] & far_ok[None, :], other=float("-inf"))
             weights = tl.exp(x - far_best[:, None])
             pair = i // 2
-            page = tl.load(value_table_ptr + seq * value_table_stride + pair // block_size, mask=far_ok, other=0).to(
-                tl.int64
-            )
-            slots = page * block_size + pair % block_size
-            in_key_half = slot_offsets(
+            slots = table_slots(value_table_ptr, seq, value_table_stride, pair, far_ok, block_size)
+            in_key_half, in_value_half = kv_offsets(
                 slots,
                 dims,
                 block_size,
@@ -204,30 +165,19 @@ def _pod_attention_kernel(
                 k_offset,
                 k_token_stride,
                 k_dim_stride,
-            )
-            in_value_half = slot_offsets(
-                slots,
-                dims,
-                block_size,
-                heads_per_block,
-                block_stride,
-                head_stride,
                 v_offset,
                 v_token_stride,
                 v_dim_stride,
             )
             offsets = tl.where((i % 2 == 0)[:, None], in_key_half, in_value_half)
-            v = tl.load(cache_ptr + offsets, mask=far_ok[:, None] & dim_mask, other=0.0)
-            if LOW_PRECISION:
-                far_acc += tl.dot(weights.to(v.dtype), v)
-            else:
-                far_acc += tl.dot(weights, v.to(tl.float32), input_precision="ieee")
+            v = tl.load(cache_ptr + offsets, mask=tile_mask(far_ok, dim_ok, HEAD_SIZE, HEAD_PAD), other=0.0)
+            far_acc += weighted_values(weights, v, LOW_PRECISION)
         both = near_mass + far_mass
         joint = (acc * tl.exp(best - top)[:, None] + far_acc * tl.exp(far_best - top)[:, None]) / both[:, None]
         result = tl.where(skipped[:, None], result, joint)
 
     tl.store(
-        out_ptr + token * o_stride_t + q_head[:, None] * o_stride_h + dims[None, :] * o_stride_d,
+        row_pointers(out_ptr, token, q_head, dims, o_stride_t, o_stride_h, o_stride_d),
         result.to(out_ptr.dtype.element_ty),
         mask=head_ok[:, None] & dim_ok[None, :],
     )

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .attention_math import softmax_step
+
 WINDOW_TILE = 16
 KEY_TILE = 64
 
@@ -84,10 +86,7 @@ def _window_stats_kernel(
             q, keys_ptr, kv_head, k_stride_h, k_stride_l, k_stride_d, start, dims, dim_ok, length, KEY_TILE
         )
         logits = tl.where(positions[None, :] <= query_pos[:, None], logits, float("-inf"))
-        # Key 0 is in the first tile and visible to every window query, so the maximum is finite from there on.
-        new_best = tl.maximum(best, tl.max(logits, axis=1))
-        total = total * tl.exp2(best - new_best) + tl.sum(tl.exp2(logits - new_best[:, None]), axis=1)
-        best = new_best
+        best, total, _, _ = softmax_step(best, total, logits, EXP2=True)
     tl.store(best_ptr + head * window + rows, best, mask=row_ok)
     tl.store(total_ptr + head * window + rows, total, mask=row_ok)
 
