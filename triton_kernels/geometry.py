@@ -40,18 +40,9 @@ class PageGeometry:
         _, heads, block_size, width = cache.shape
         head_size = width // 2
         block_stride, head_stride, token_stride, dim_stride = cache.stride()
-        return cls(
-            block_size,
-            head_size,
-            heads,
-            block_stride,
-            head_stride,
-            0,
-            token_stride,
-            dim_stride,
-            head_size * dim_stride,
-            token_stride,
-            dim_stride,
+        v_offset = head_size * dim_stride
+        return cls._same_row_strides(
+            block_size, head_size, heads, block_stride, head_stride, token_stride, dim_stride, v_offset
         )
 
     @classmethod
@@ -59,6 +50,15 @@ class PageGeometry:
         """A cache [blocks, 2, block_size, kv_heads, head_size] (K then V along dim 1), any strides."""
         _, _, block_size, heads, head_size = cache.shape
         block_stride, kv_stride, token_stride, head_stride, dim_stride = cache.stride()
+        return cls._same_row_strides(
+            block_size, head_size, heads, block_stride, head_stride, token_stride, dim_stride, kv_stride
+        )
+
+    @classmethod
+    def _same_row_strides(
+        cls, block_size, head_size, heads, block_stride, head_stride, token_stride, dim_stride, v_offset
+    ) -> PageGeometry:
+        """K at a page's start and V at ``v_offset``, both laid out with the same token and dim strides."""
         return cls(
             block_size,
             head_size,
@@ -68,7 +68,7 @@ class PageGeometry:
             0,
             token_stride,
             dim_stride,
-            kv_stride,
+            v_offset,
             token_stride,
             dim_stride,
         )
