@@ -1,6 +1,7 @@
 """Shared by the kernels here: the element offsets of K or V rows at slots (the Triton side of
-PageGeometry), the slots a page table gives positions, pointers to rows of a [T, H, D] tensor, the mask
-of a tile of rows, and whether a kernel's ``tl.dot`` may take the cache's own dtype."""
+PageGeometry) and the K and V rows loaded there, the slots a page table gives positions, pointers to rows
+of a [T, H, D] tensor, the mask of a tile of rows, and whether a kernel's ``tl.dot`` may take the cache's
+own dtype."""
 
 import os
 
@@ -51,6 +52,44 @@ def kv_offsets(
 
 
 @triton.jit
+def load_kv_rows(
+    cache_ptr,
+    slots,
+    dims,
+    mask,
+    block_size,
+    heads_per_block,
+    block_stride,
+    head_stride,
+    k_offset,
+    k_token_stride,
+    k_dim_stride,
+    v_offset,
+    v_token_stride,
+    v_dim_stride,
+):
+    """The K and the V rows [n, dims] at ``slots``, 0 where masked. K is addressed and loaded before V's
+    offsets are computed: the order the attention loops were tuned in (it shapes the compiled schedule)."""
+    k = tl.load(
+        cache_ptr
+        + slot_offsets(
+            slots, dims, block_size, heads_per_block, block_stride, head_stride, k_offset, k_token_stride, k_dim_stride
+        ),
+        mask=mask,
+        other=0.0,
+    )
+    v = tl.load(
+        cache_ptr
+        + slot_offsets(
+            slots, dims, block_size, heads_per_block, block_stride, head_stride, v_offset, v_token_stride, v_dim_stride
+        ),
+        mask=mask,
+        other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
 def table_slots(table_ptr, row, table_stride, positions, mask, block_size):
     """Slots [n] (int64) of token ``positions`` [n] of page-table row ``row``; the table is read where ``mask``."""
     page = tl.load(table_ptr + row * table_stride + positions // block_size, mask=mask, other=0).to(tl.int64)
@@ -59,7 +98,7 @@ def table_slots(table_ptr, row, table_stride, positions, mask, block_size):
 
 @triton.jit
 def row_pointers(ptr, token, head, dims, stride_t, stride_h, stride_d):
-    """Pointers [n, dims] to rows ``[token, head, :]`` of a [T, H, D] tensor; ``token`` a scalar or [n], ``head`` [n]."""
+    """Pointers [n, dims] to rows ``[token, head, :]`` of a [T, H, D] tensor; ``token`` scalar or [n], ``head`` [n]."""
     return ptr + (token * stride_t + head * stride_h)[:, None] + dims[None, :] * stride_d
 
 

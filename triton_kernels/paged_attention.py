@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import dot_in_cache_dtype, kv_offsets, row_pointers, table_slots, tile_mask
+from .addressing import dot_in_cache_dtype, load_kv_rows, row_pointers, table_slots, tile_mask
 from .attention_math import attend_step, key_logits, load_queries
 from .geometry import PageGeometry, flat
 
@@ -120,9 +120,12 @@ def _paged_attention_kernel(
         j = key_start + keys
         key_ok = j < stop
         slots = table_slots(page_table_ptr, seq, table_stride, j, key_ok, block_size)
-        k_at, v_at = kv_offsets(
+        kv_mask = tile_mask(key_ok, dim_ok, HEAD_SIZE, HEAD_PAD)
+        k, v = load_kv_rows(
+            cache_ptr,
             slots,
             dims,
+            kv_mask,
             block_size,
             heads_per_block,
             block_stride,
@@ -134,9 +137,6 @@ def _paged_attention_kernel(
             v_token_stride,
             v_dim_stride,
         )
-        kv_mask = tile_mask(key_ok, dim_ok, HEAD_SIZE, HEAD_PAD)
-        k = tl.load(cache_ptr + k_at, mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + v_at, mask=kv_mask, other=0.0)
         logits = key_logits(q, k, qk_scale, LOW_PRECISION)
         live = key_ok[None, :] & (j[None, :] <= position[:, None]) & row_ok[:, None]
         logits = tl.where(live, logits, float("-inf"))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import dot_in_cache_dtype, kv_offsets, row_pointers, table_slots, tile_mask
+from .addressing import dot_in_cache_dtype, kv_offsets, load_kv_rows, row_pointers, table_slots, tile_mask
 from .attention_math import attend_step, key_logits, load_queries, softmax_step, weighted_values
 from .geometry import PageGeometry, flat
 
@@ -102,9 +102,12 @@ def _pod_attention_kernel(
         j = key_start + keys
         key_ok = j < length
         slots = table_slots(page_table_ptr, seq, table_stride, j, key_ok, block_size)
-        k_at, v_at = kv_offsets(
+        mask = tile_mask(key_ok, dim_ok, HEAD_SIZE, HEAD_PAD)
+        k, v = load_kv_rows(
+            cache_ptr,
             slots,
             dims,
+            mask,
             block_size,
             heads_per_block,
             block_stride,
@@ -116,9 +119,6 @@ def _pod_attention_kernel(
             v_token_stride,
             v_dim_stride,
         )
-        mask = tile_mask(key_ok, dim_ok, HEAD_SIZE, HEAD_PAD)
-        k = tl.load(cache_ptr + k_at, mask=mask, other=0.0)
-        v = tl.load(cache_ptr + v_at, mask=mask, other=0.0)
         logits = key_logits(q, k, scale, LOW_PRECISION)
         if write_to >= 0:
             distant = key_ok & (j >= start) & (j < start + count)
