@@ -54,8 +54,8 @@ import torch.nn.functional as F
 
 from kvpolicy.policies.base import CompressedKV, PromptKV
 from kvpolicy.policies.compose import LayerAllocator, Rewrite, Split, compose
-from kvpolicy.policies.h2o import AccumulatedAttention, attention_column_sums
-from kvpolicy.policies.options import not_negative, option
+from kvpolicy.policies.h2o import HeavyHitters, attention_column_sums
+from kvpolicy.policies.options import not_negative, option, unit_interval
 
 
 def prompt_attention_variance(keys: torch.Tensor, queries: torch.Tensor) -> float:
@@ -125,14 +125,17 @@ def _gather(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class HeavyHittersWithSinks(AccumulatedAttention):
-    """D2O's eviction: sinks and a recent fraction of the budget kept, the rest to accumulated attention."""
+class HeavyHittersWithSinks(HeavyHitters):
+    """D2O's eviction: H2O's with the first tokens kept as attention sinks and a quarter of the budget
+    recent (N:M = 3:1)."""
 
+    recent_fraction: float = option(
+        0.25, "the budget's share kept for the most recent tokens", check=unit_interval, strict=False
+    )
     sink_tokens: int = option(4, "attention-sink tokens always kept", check=not_negative, strict=False)
-    recent_fraction: float = option(0.25, "D2O: the budget's share kept for the most recent tokens", flag=None)
 
     def split(self, prompt: PromptKV, budget: int) -> Split:
-        recent = int(budget * self.recent_fraction)
+        recent = super().split(prompt, budget).recent
         sinks = min(self.sink_tokens, budget - recent)
         return Split(sinks, recent, sinks + recent)
 

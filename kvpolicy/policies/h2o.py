@@ -9,9 +9,14 @@ we chose:
   the prompt's attention matrix), per query head. Logits and softmax in
   float32, sums in float64. GQA: the query heads sharing a KV head are
   averaged, as the KeyDiff paper (App. B.2) does for its H2O baseline.
-- ``budget`` counts every token a head keeps: the last ``recent_tokens``
-  (at most ``budget``) are always kept, and the ``budget - recent`` best
-  scores among the older tokens (ties to the earlier position).
+- ``budget`` counts every token a head keeps: the last ``floor(budget *
+  recent_fraction)`` are always kept, and the rest of the budget goes to the
+  best scores among the older tokens (ties to the earlier position).
+  ``recent_fraction`` = 1/2: H2O's experiments give heavy hitters and recent
+  tokens equal budgets (its code's ``heavy_ratio`` = ``recent_ratio``).
+- Scores are plain sums, not divided by the number of queries that saw a
+  token: the paper's score is the accumulated attention, and the division
+  is commented out in its code.
 - Decode, at page granularity: each new token's attention weights over the
   cache are added to the scores (its own score starts at its own weight).
   The paper evicts the lightest older token at every step; we evict once a
@@ -40,7 +45,7 @@ import torch
 
 from kvpolicy.policies.base import Inputs, PromptKV
 from kvpolicy.policies.compose import Scorer, Split, compose
-from kvpolicy.policies.options import not_negative, option
+from kvpolicy.policies.options import option, unit_interval
 
 
 def attention_column_sums(keys: torch.Tensor, queries: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -117,12 +122,14 @@ class AccumulatedAttention(Scorer):
 
 @dataclass(frozen=True)
 class HeavyHitters(AccumulatedAttention):
-    """H2O: the most recent tokens kept, the rest of the budget to the best accumulated attention."""
+    """H2O: a share of the budget to the most recent tokens, the rest to the best accumulated attention."""
 
-    recent_tokens: int = option(64, "most recent tokens always kept", check=not_negative, strict=False)
+    recent_fraction: float = option(
+        0.5, "the budget's share kept for the most recent tokens", check=unit_interval, strict=False
+    )
 
     def split(self, prompt: PromptKV, budget: int) -> Split:
-        recent = min(self.recent_tokens, budget)
+        recent = int(budget * self.recent_fraction)
         return Split(0, recent, recent)
 
 

@@ -181,7 +181,6 @@ class PoD(Policy):
         1008,
         "the recent proximal tokens, n_r (1/8 of the default model's 8K context, as the paper's 4096 of 32K)",
         check=not_negative,
-        strict=False,
     )
     tau: float | None = option(
         None,

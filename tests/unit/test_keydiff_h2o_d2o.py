@@ -120,7 +120,7 @@ def test_keydiff_block_processing_matches_a_loop_over_blocks(prompt, block):
 
 def test_h2o_keeps_recent_tokens_and_heavy_hitters(prompt):
     scores = reference_h2o_scores(prompt.keys.tolist(), prompt.queries.tolist())
-    got = H2O(recent_tokens=8).keep(prompt, 24)
+    got = H2O(recent_fraction=1 / 3).keep(prompt, 24)
     assert as_lists(got) == [reference_heavy_hitters(scores[h], 24, 8, 0) for h in range(H)]
 
 
@@ -178,7 +178,7 @@ def test_new_token_attention_is_the_group_mean_softmax_over_each_padded_sequence
 def test_h2o_generation_in_the_engine_order_equals_the_reference(prompt):
     """The engine's decode: each new token's weights added, compress with the carried scores once a page's worth is over."""
     prompt_len, budget, block = 40, 16, 8
-    policy = H2O(recent_tokens=4)
+    policy = H2O(recent_fraction=0.25)
     first = policy.compress(PromptKV(prompt.keys[:, :prompt_len], queries=prompt.queries[:, :prompt_len]), budget)
     kept, scores, passes = torch.stack(first.kept), first.scores, 0
     for t in range(prompt_len, L):

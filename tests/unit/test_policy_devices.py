@@ -33,7 +33,7 @@ POLICY_OPTIONS = {
     "adamix-blend": {"window": 8, "combine": "blend", "mix": 0.3},
     "streaming": {"sink_tokens": 4},
     "keydiff": {},
-    "h2o": {"recent_tokens": 8},
+    "h2o": {"recent_fraction": 0.25},
     "d2o": {},
     "d2o-no-merge": {"merge": False},
 }
