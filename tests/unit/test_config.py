@@ -118,6 +118,15 @@ def test_merge_switch_is_d2o_only():
         KVPolicyConfig(policy="h2o", budget=128, merge=False)
 
 
+def test_recent_share_is_h2o_and_d2o_s_and_recent_tokens_pod_s():
+    assert KVPolicyConfig(policy="h2o", budget=128).make_policy().recent_fraction == 0.5
+    assert KVPolicyConfig(policy="d2o", budget=128, recent_fraction=0.5).make_policy().recent_fraction == 0.5
+    with pytest.raises(KVPolicyConfigError, match="--kv-recent-tokens applies to pod, not to --kv-policy h2o"):
+        KVPolicyConfig(policy="h2o", budget=128, recent_tokens=64)
+    with pytest.raises(KVPolicyConfigError, match="--kv-recent-fraction must be in"):
+        KVPolicyConfig(policy="h2o", budget=128, recent_fraction=1.5)
+
+
 def test_ada_options_reach_the_policies_that_take_them():
     assert KVPolicyConfig(policy="adamix", budget=128, mix=1.0, alpha=1.0).make_policy().mix == 1.0
     assert KVPolicyConfig(policy="adasnap", budget=128, alpha=0.2).make_policy().alpha == 0.2
