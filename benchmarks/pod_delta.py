@@ -37,17 +37,12 @@ DEFAULTS = {
 COLUMNS = ["delta", "context", "kv_saved", "accuracy", "full_cache", "n"]
 
 
-def grouping_of(similarity: torch.Tensor, delta: float, folder: Path) -> Path:
-    """The grouping at ``delta`` as a ``--kv-pod-groups`` file."""
-    groups = LayerGroups.of(group_layers(similarity, delta))
+def grouping_file(groups: LayerGroups, delta: float, folder: Path) -> Path:
+    """``groups`` as a ``--kv-pod-groups`` file, named by ``delta``, relative to the working directory."""
     path = folder / f"delta{delta:g}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"delta": delta, "blocks": [[list(b) for b in head] for head in groups.blocks]}))
+    path.write_text(json.dumps({"delta": delta, "blocks": groups.blocks}))
     return Path(os.path.relpath(path))
-
-
-def spec_of(path: Path) -> str:
-    return f"pod:pod_groups={path}@full"
 
 
 def accuracy_by_length(runs: list[dict], policy: str, cells: set) -> dict[int, tuple[float, int]]:
@@ -103,7 +98,9 @@ def main() -> int:
         raise SystemExit("--deltas are similarities in [0, 1]")
 
     similarity = torch.tensor(json.loads(args.similarity.read_text())["similarity"], dtype=torch.float64)
-    groupings = {delta: grouping_of(similarity, delta, args.out.parent / "pod_delta_groups") for delta in args.deltas}
+    groupings = {delta: LayerGroups.of(group_layers(similarity, delta)) for delta in args.deltas}
+    folder = args.out.parent / "pod_delta_groups"
+    policies = {delta: f"pod:pod_groups={grouping_file(g, delta, folder)}" for delta, g in groupings.items()}
     harness = args.out.with_name(args.out.stem + "_quality.json")
     command = [
         sys.executable,
@@ -115,20 +112,18 @@ def main() -> int:
         "--seeds",
         str(args.seeds),
         "--policies",
-        *map(spec_of, groupings.values()),
+        *(f"{policy}@full" for policy in policies.values()),
         "--out",
         str(harness),
     ]
     subprocess.run(command, check=True)
     runs = json.loads(harness.read_text())["runs"]
 
-    policies = {delta: spec_of(path).split("@")[0] for delta, path in groupings.items()}
     solved = {(run["task"], run["context"]) for run in runs if run["policy"] in policies.values()}
     full = accuracy_by_length(runs, "none", solved)
     pod = PoD()
     rows = []
-    for delta, path in groupings.items():
-        groups = LayerGroups.load(path)
+    for delta, groups in groupings.items():
         for length, (accuracy, n) in sorted(accuracy_by_length(runs, policies[delta], solved).items()):
             saved = pod.saved_fraction(groups, length)
             rows.append(
