@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(seconds, 1),
         "num_layers": groups.num_layers,
         "num_kv_heads": groups.num_heads,
-        "blocks": [[list(block) for block in head] for head in groups.blocks],
+        "blocks": groups.blocks,
         "shared_fraction": groups.shared_fraction(),
         "saved_fraction": {str(n): s for n, s in saved.items()},
         "similarity": [[[round(v, 5) for v in row] for row in head] for head in sim.tolist()],

@@ -27,7 +27,7 @@ def layout_lengths(max_tokens: int = MAX_TOKENS) -> list[int]:
 def single_layer_groups(tmp_path_factory):
     path = tmp_path_factory.mktemp("pod") / "single.json"
     groups = LayerGroups.single_layers(30, 3)
-    path.write_text(json.dumps({"blocks": [[list(block) for block in head] for head in groups.blocks]}))
+    path.write_text(json.dumps({"blocks": groups.blocks}))
     return str(path)
 
 
