@@ -7,7 +7,8 @@ A higher δ groups fewer layers (Algorithm 1 of PoD, arXiv:2412.02252), so fewer
 pairs share the distant tokens' logits: less K+V saved, answers nearer the full cache's. Each δ's
 grouping is made from the similarity the shipped calibration measured
 (``kvpolicy/data/pod_groups_smollm2.json``; ``python -m kvpolicy.calibrate_pod --delta X`` measures
-it again), saved under ``results/pod_delta_groups/`` and served with ``--kv-pod-groups``. The answers
+it again; ``--kv-pod-delta X`` regroups it at serve time), saved under ``results/pod_delta_groups/`` and
+served with ``--kv-pod-groups``. The answers
 come from the quality harness (``benchmarks/quality.py``, its prompts, its cell cache, its JSON beside
 this one); the K+V saved at each length is ``PoD.saved_fraction`` of the grouping. Writes
 ``results/pod_delta.json``, a table and a plot of accuracy against K+V saved.
@@ -22,12 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
-from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers  # noqa: E402
+from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD  # noqa: E402
 
 DEFAULTS = {
     "deltas": [0.5, 0.55, 0.6, 0.65, 0.7],
@@ -97,8 +96,7 @@ def main() -> int:
     if not all(0 <= d <= 1 for d in args.deltas):
         raise SystemExit("--deltas are similarities in [0, 1]")
 
-    similarity = torch.tensor(json.loads(args.similarity.read_text())["similarity"], dtype=torch.float64)
-    groupings = {delta: LayerGroups.of(group_layers(similarity, delta)) for delta in args.deltas}
+    groupings = {delta: LayerGroups.load(args.similarity, delta) for delta in args.deltas}
     folder = args.out.parent / "pod_delta_groups"
     policies = {delta: f"pod:pod_groups={grouping_file(g, delta, folder)}" for delta, g in groupings.items()}
     harness = args.out.with_name(args.out.stem + "_quality.json")

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kvpolicy.policies.base import Mode, Policy
-from kvpolicy.policies.options import existing_grouping, gate_threshold, not_negative, option
+from kvpolicy.policies.options import existing_grouping, gate_threshold, not_negative, option, unit_interval
 
 #: The grouping shipped for the default model (``python -m kvpolicy.calibrate_pod``).
 DEFAULT_GROUPS = Path(__file__).resolve().parent.parent / "data" / "pod_groups_smollm2.json"
@@ -115,8 +115,17 @@ class LayerGroups:
         return cls(tuple(tuple(tuple(int(layer) for layer in block) for block in head) for head in blocks))
 
     @classmethod
-    def load(cls, path: str | Path) -> LayerGroups:
-        return cls.of(json.loads(Path(path).read_text())["blocks"])
+    def load(cls, path: str | Path, delta: float | None = None) -> LayerGroups:
+        """The file's blocks, or, with ``delta``, Algorithm 1 rerun on the similarity the file was grouped from."""
+        grouping = json.loads(Path(path).read_text())
+        if delta is None:
+            return cls.of(grouping["blocks"])
+        if "similarity" not in grouping:
+            raise ValueError(
+                f"{path} holds no similarity to regroup at delta {delta:g}; make it with "
+                "`python -m kvpolicy.calibrate_pod --model MODEL --out PATH`, or drop --kv-pod-delta"
+            )
+        return cls.of(group_layers(torch.tensor(grouping["similarity"], dtype=torch.float64), delta))
 
 
 def proximal_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -196,9 +205,17 @@ class PoD(Policy):
         flag="pod_groups",
         check=existing_grouping,
     )
+    delta: float | None = option(
+        None,
+        "regroup the grouping's similarity with Algorithm 1 at this threshold: lower shares more layers and frees "
+        "more memory, higher answers more (the shipped grouping is at 0.65, the paper's is 0.5; default: the "
+        "grouping's blocks as they are)",
+        flag="pod_delta",
+        check=unit_interval,
+    )
 
     def layer_groups(self) -> LayerGroups:
-        return LayerGroups.load(self.groups or DEFAULT_GROUPS)
+        return LayerGroups.load(self.groups or DEFAULT_GROUPS, self.delta)
 
     def distant_range(self, num_tokens: int) -> tuple[int, int]:
         """[start, end) of a prompt's distant tokens: between the sinks and the recent window (may be empty)."""

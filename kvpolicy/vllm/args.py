@@ -269,7 +269,10 @@ def _check_pod_groups(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
         raise KVPolicyConfigError(
             "--kv-policy pod does not support tensor parallelism yet; drop --tensor-parallel-size"
         )
-    groups = config.make_policy().layer_groups()
+    try:
+        groups = config.make_policy().layer_groups()
+    except ValueError as exc:
+        raise KVPolicyConfigError(str(exc)) from None
     num_layers = model_config.get_num_layers(vllm_config.parallel_config)
     num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     if (groups.num_layers, groups.num_heads) != (num_layers, num_kv_heads):

@@ -180,6 +180,7 @@ def main() -> int:
     parser.add_argument("--recent-tokens", type=int, default=None)
     parser.add_argument("--pod-groups", default=None, help="pod: a layer grouping JSON (--kv-pod-groups)")
     parser.add_argument("--pod-tau", type=float, default=None, help="pod: --kv-pod-tau")
+    parser.add_argument("--pod-delta", type=float, default=None, help="pod: --kv-pod-delta")
     parser.add_argument(
         "--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)"
     )
@@ -258,7 +259,7 @@ def main() -> int:
     if args.async_scheduling:
         keep_async_scheduling_on_cpu()
         kwargs["async_scheduling"] = True
-    for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau", "page_pool"):
+    for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau", "pod_delta", "page_pool"):
         if getattr(args, name) is not None:
             kwargs[f"kv_{name}"] = getattr(args, name)
     llm = LLM(

@@ -7,11 +7,13 @@ runs outside graphs only while a policy changes attention, and prepares
 vLLM's options on CUDA as the engine run on a GPU needed them.
 """
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.policies.pod import LayerGroups
 from kvpolicy.vllm import args, cpu_backend, cuda_backend
 from kvpolicy.vllm.attention import KVPolicyAttention
 from kvpolicy.vllm.internals import (
@@ -139,3 +141,14 @@ def test_on_cuda_pod_checks_its_grouping_and_still_refuses_tensor_parallelism(on
     args._check_pod_groups(config, vllm_config(1))
     with pytest.raises(KVPolicyConfigError, match="does not support tensor parallelism yet"):
         args._check_pod_groups(config, vllm_config(2))
+
+
+def test_a_pod_delta_without_a_similarity_to_regroup_is_refused_at_startup(tmp_path):
+    blocks_only = tmp_path / "blocks.json"
+    blocks_only.write_text(json.dumps({"blocks": LayerGroups.single_layers(30, 3).blocks}))
+    config = KVPolicyConfig(policy="pod", pod_groups=str(blocks_only), pod_delta=0.5)
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m"), parallel_config=SimpleNamespace(tensor_parallel_size=1)
+    )
+    with pytest.raises(KVPolicyConfigError, match="holds no similarity to regroup at delta 0.5"):
+        args._check_pod_groups(config, vllm_config)

@@ -46,6 +46,7 @@ def test_the_flags_are_todays():
         "recent_tokens",
         "pod_tau",
         "pod_groups",
+        "pod_delta",
         "page_pool",
         "offload",
         "reserve_growth",
