@@ -14,6 +14,8 @@ from tests.e2e.engine_run import MAX_TOKENS, PROMPT_LENS
 BLOCK_SIZE = 128  # vLLM's CPU block size for this model
 RECENT = 128  # n_r small enough that the test prompts have distant tokens (the default is 1008)
 POD = ("--policy", "pod", "--recent-tokens", str(RECENT))
+PAPER_DELTA = 0.5  # shares enough layers for these short prompts to free blocks (the shipped 0.65 frees none)
+SHARING = (*POD, "--pod-delta", str(PAPER_DELTA), "--capture")
 LAYOUT_LEN = 16 + RECENT + BLOCK_SIZE  # the first length with a page's worth of distant tokens
 
 
@@ -58,9 +60,9 @@ def test_pod_with_one_layer_blocks_is_the_full_cache(engine_run, single_layer_gr
 
 
 def test_pod_frees_the_distant_keys_of_shared_layers(engine_run):
-    run = engine_run(*POD, "--capture")
+    run = engine_run(*SHARING)
     counters = run["counters"]
-    groups = PoD().layer_groups()
+    groups = PoD(delta=PAPER_DELTA).layer_groups()
     assert counters["pod_layouts"] == counters["compressed_requests"] == len(layout_lengths())
     assert counters["released_blocks"] == expected_released_blocks(groups, layout_lengths()) > 0
     assert counters["pod_distant_evaluated"] > 0
@@ -69,9 +71,9 @@ def test_pod_frees_the_distant_keys_of_shared_layers(engine_run):
 
 def test_pod_decode_is_eq_3_and_4_on_the_engine_tensors(engine_run):
     """Recompute each shared (layer, head) of one decode step from the lowest layer's captured query and keys."""
-    run = engine_run(*POD, "--capture")
+    run = engine_run(*SHARING)
     records = torch.load(run["captured"])
-    lowest = PoD().layer_groups().lowest()
+    lowest = PoD(delta=PAPER_DELTA).layer_groups().lowest()
     checked = 0
     for (layer, head), call in records.items():
         source = lowest[layer][head]

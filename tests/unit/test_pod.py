@@ -1,5 +1,6 @@
 """PoD: the similarity and grouping of §2.1, eq. 3-4 against a reference written from the paper, and the shared layout."""
 
+import json
 import math
 
 import numpy as np
@@ -114,6 +115,20 @@ def test_config_gives_pod_its_own_defaults_and_checks_its_options():
         KVPolicyConfig(policy="snapkv", budget=64, pod_tau=0.7)
     with pytest.raises(ValueError, match="calibrate_pod"):
         KVPolicyConfig(policy="pod", pod_groups="/nonexistent.json")
+    with pytest.raises(ValueError, match=r"--kv-pod-delta must be in \[0, 1\]"):
+        KVPolicyConfig(policy="pod", pod_delta=1.5)
+
+
+def test_pod_delta_regroups_the_similarity_the_grouping_was_made_from(tmp_path):
+    shipped = LayerGroups.load(DEFAULT_GROUPS)
+    assert KVPolicyConfig(policy="pod", pod_delta=0.65).make_policy().layer_groups() == shipped  # its own delta
+    paper = KVPolicyConfig(policy="pod", pod_delta=0.5).make_policy().layer_groups()
+    assert paper.shared_fraction() > shipped.shared_fraction()
+    assert LayerGroups.load(DEFAULT_GROUPS, 1.0) == LayerGroups.single_layers(30, 3)
+    blocks_only = tmp_path / "blocks.json"
+    blocks_only.write_text(json.dumps({"blocks": shipped.blocks}))
+    with pytest.raises(ValueError, match="no similarity to regroup at delta 0.5; make it with"):
+        LayerGroups.load(blocks_only, 0.5)
 
 
 def _apply(plan, buffer):
