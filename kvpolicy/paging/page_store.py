@@ -178,7 +178,6 @@ class PageStore:
         lengths = self.lengths[:, index]
         decode = bool((counts == 1).all())
         if decode:  # a head needs a page when its pages are full
-            grown = lengths + 1
             missing = lengths == self.counts[:, index] * self.block_size
         else:
             grown = lengths + counts[None, :, None].astype(np.int32)
@@ -187,20 +186,17 @@ class PageStore:
             self._take_free(rows, missing)
         if decode:  # one token per head, in its last page (taken above if the others were full)
             pages = self.last_pages[:, index].reshape(self.num_layers, -1)
-            offsets = (
-                lengths.reshape(self.num_layers, -1)
-                - self._page_of(lengths).reshape(self.num_layers, -1) * self.block_size
-            )
-            slots = pages.astype(np.int64) * self.block_size + offsets
-        else:
-            entry, head_of, nth = virtual_tokens(counts, heads)
-            positions = lengths[:, entry, head_of] + nth  # [layers, virtual tokens]
-            table_rows = rows[entry] * heads + head_of
-            width = self.width
-            layer_base = np.arange(self.num_layers)[:, None] * (self.num_rows * heads * width)
-            pages = self.tables.reshape(-1)[layer_base + table_rows * width + self._page_of(positions)]
-            slots = pages.astype(np.int64) * self.block_size + (positions - self._page_of(positions) * self.block_size)
-        self.lengths[:, index] = grown  # after the slots: ``positions`` may be a view of the lengths
+            slots = pages.astype(np.int64) * self.block_size + self._offset_of(lengths.reshape(self.num_layers, -1))
+            self.lengths[:, index] += 1
+            return slots
+        entry, head_of, nth = virtual_tokens(counts, heads)
+        positions = lengths[:, entry, head_of] + nth  # [layers, virtual tokens]
+        table_rows = rows[entry] * heads + head_of
+        width = self.width
+        layer_base = np.arange(self.num_layers)[:, None] * (self.num_rows * heads * width)
+        pages = self.tables.reshape(-1)[layer_base + table_rows * width + self._page_of(positions)]
+        slots = pages.astype(np.int64) * self.block_size + self._offset_of(positions)
+        self.lengths[:, index] = grown
         return slots
 
     def _page_of(self, positions: np.ndarray) -> np.ndarray:
@@ -210,48 +206,48 @@ class PageStore:
             return positions >> (self.block_size.bit_length() - 1)
         return positions // self.block_size
 
+    def _offset_of(self, positions: np.ndarray) -> np.ndarray:
+        """``positions % block_size``, a mask for power-of-two block sizes (as ``_page_of``)."""
+        if self.block_size & (self.block_size - 1) == 0:
+            return positions & (self.block_size - 1)
+        return positions % self.block_size
+
     def _take_free(self, rows: np.ndarray, missing: np.ndarray) -> None:
-        """Give (layer, ``rows[i]``, head) ``missing[layer, i, head]`` pages more from the front of its pool's
-        free pages."""
+        """Give (layer, ``rows[i]``, head) ``missing[layer, i, head]`` pages more (bool: one) from the front of
+        its pool's free pages."""
         num_layers, num_rows, heads = missing.shape
         by_pool = missing.transpose(1, 0, 2) if self.pools_layers else missing  # a row's heads take from one pool
         taking = np.flatnonzero(by_pool)  # in (row, layer, head) order with one pool, else (layer, row, head)
-        wanted = np.ones(taking.size, dtype=np.int64) if missing.dtype == bool else by_pool.reshape(-1)[taking]
-        head = taking % heads
+        pair = taking // heads
+        head = taking - pair * heads
         if self.pools_layers:
-            entry, layer = np.divmod(taking // heads, num_layers)
-            pool = np.zeros_like(layer)
+            entry = pair // num_layers
+            layer = pair - entry * num_layers
+            row = rows[entry]
+            group = row  # one pool of one row: consecutive entries
         else:
-            layer, entry = np.divmod(taking // heads, num_rows)
-            pool = layer
-        row = rows[entry]
-        group = pool * self.num_rows + row  # one pool of one row: consecutive entries
-        first = np.r_[True, group[1:] != group[:-1]]
-        if wanted.max() == 1:  # decode: one page each
-            order = np.arange(group.size)
-            each, nth = order, 0
-            ahead = order - np.maximum.accumulate(np.where(first, order, 0))  # pages taken before in its pool
-        else:
-            ends = np.cumsum(wanted)
-            each = np.repeat(np.arange(wanted.size), wanted)  # one per page taken
-            nth = np.arange(each.size) - np.repeat(ends - wanted, wanted)
-            ahead = (ends - wanted - np.maximum.accumulate(np.where(first, ends - wanted, 0)))[each] + nth
-        free_index = group[each]
-        place = self.free_start.reshape(-1)[free_index] + ahead
-        short = place >= self.free_end.reshape(-1)[free_index]
-        if short.any():
-            raise RuntimeError(
-                f"no free page left in layer {int(layer[each][short][0])}: the request outgrew its blocks"
-            )
-        taken = self.free.reshape(-1)[free_index * self.free.shape[2] + place]
+            layer = pair // num_rows
+            row = rows[pair - layer * num_rows]
+            group = layer * self.num_rows + row
         head_index = (layer * self.num_rows + row) * self.num_heads + head  # into ``counts``, flat
-        column = self.counts.reshape(-1)[head_index][each] + nth
-        if column.max() >= self.width:
-            self._widen_tables(int(column.max()) + 1)
-        flat = head_index[each] * self.width + column
-        self.tables.reshape(-1)[flat] = taken
-        self.changes.flat.append(flat)
-        self.changes.values.append(taken)
+        starts = np.flatnonzero(group[1:] != group[:-1]) + 1
+        starts = np.concatenate([[0], starts])  # each pool-row's first entry
+        sizes = np.diff(starts, append=group.size)
+        if missing.dtype == bool:  # decode: one page each
+            ahead = np.arange(group.size) - np.repeat(starts, sizes)  # pages taken before in its pool
+            taken = self._pop_free(group, ahead, layer)
+            self._write_pages(head_index, self.counts.reshape(-1)[head_index], taken)
+            self.counts.reshape(-1)[head_index] += 1
+            self.last_pages.reshape(-1)[head_index] = taken
+            self.free_start.reshape(-1)[group[starts]] += sizes
+            return
+        wanted = by_pool.reshape(-1)[taking].astype(np.int64)
+        ends = np.cumsum(wanted)
+        each = np.repeat(np.arange(wanted.size), wanted)  # one per page taken
+        nth = np.arange(each.size) - np.repeat(ends - wanted, wanted)
+        ahead = (ends - wanted - np.repeat((ends - wanted)[starts], sizes))[each] + nth
+        taken = self._pop_free(group[each], ahead, layer[each])
+        self._write_pages(head_index[each], self.counts.reshape(-1)[head_index][each] + nth, taken)
         self.counts.reshape(-1)[head_index] += wanted.astype(np.int32)
         last = nth == wanted[each] - 1  # each head's last page taken
         self.last_pages.reshape(-1)[head_index[each][last]] = taken[last]
@@ -260,6 +256,24 @@ class PageStore:
             .reshape(self.free_start.shape)
             .astype(np.int64)
         )
+
+    def _pop_free(self, group: np.ndarray, ahead: np.ndarray, layer: np.ndarray) -> np.ndarray:
+        """The free page ``ahead[i]`` places past the front of pool-row ``group[i]`` (pool * rows + row)."""
+        place = self.free_start.reshape(-1)[group] + ahead
+        short = place >= self.free_end.reshape(-1)[group]
+        if short.any():
+            raise RuntimeError(f"no free page left in layer {int(layer[short][0])}: the request outgrew its blocks")
+        return self.free.reshape(-1)[group * self.free.shape[2] + place]
+
+    def _write_pages(self, head_index: np.ndarray, columns: np.ndarray, pages: np.ndarray) -> None:
+        """``pages[i]`` into column ``columns[i]`` of table row ``head_index[i]`` (flat (layer, row, head)),
+        widening the tables first if a column is past them; listed for ``take_changes``."""
+        if columns.max() >= self.width:
+            self._widen_tables(int(columns.max()) + 1)
+        flat = head_index * self.width + columns
+        self.tables.reshape(-1)[flat] = pages
+        self.changes.flat.append(flat)
+        self.changes.values.append(pages)
 
     def take_changes(self) -> StoreChanges:
         """The changes to ``tables`` since the last call, for a copy of them to follow; starts a new list."""
