@@ -75,7 +75,8 @@ class PerHeadBatch:
     virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
     attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
     virtual-token order). ``req_ids``: the relocated requests, in order. Each layer's
-    ``block_table`` is a view of ``store``'s tables (its first rows, in this order),
+    ``seq_lens`` is row ``l`` of ``seq_lens`` [layers, sequences], and its ``block_table``
+    row ``l`` of ``tables``, a view of ``store``'s tables (its first rows, in this order),
     which the ops keep on the device by their changes (``ops/staging.TableMirror``).
     ``carried_slots``: for policies that accumulate attention, each request's row of the
     carried scores (``modes/carried.CarriedScores``), in order.
@@ -87,7 +88,18 @@ class PerHeadBatch:
     slots: torch.Tensor
     req_ids: list[str]
     store: PageStore
+    seq_lens: torch.Tensor
+    tables: torch.Tensor
     carried_slots: torch.Tensor | None = None
+
+    def staged_parts(self) -> list:
+        """What ``step_tensors`` searches of the batch: every field but the request ids (strings, one per
+        row) and the layers' calls, whose lengths and tables are views of ``seq_lens`` and ``tables``; of
+        the calls, only what they share (token indices, query layout, plans), once each. A step of a
+        32-layer model is then not searched call by call."""
+        parts = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("layers", "req_ids")]
+        shared = {id(part): part for call in self.layers for part in (call.token_idx, call.query_start_loc, call.plan)}
+        return parts + list(shared.values())
 
 
 @dataclass
@@ -291,5 +303,7 @@ def step_tensors(step: Step):
             pending.extend(item)
         elif isinstance(item, dict):
             pending.extend(item.values())
+        elif isinstance(item, PerHeadBatch):
+            pending.extend(item.staged_parts())
         elif dataclasses.is_dataclass(item) and not isinstance(item, Policy):
             pending.extend(getattr(item, f.name) for f in dataclasses.fields(item))

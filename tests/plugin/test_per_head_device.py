@@ -81,7 +81,17 @@ def decode_step(pages: RequestPages) -> RelocatingStep:
     carried = WORKER_STATE.mode.requests[REQ].carried
     slots = torch.tensor([carried.slot]) if WORKER_STATE.policy.inputs.attention else None
     return RelocatingStep(
-        per_head=PerHeadBatch(torch.tensor([0]), rows, layers, torch.zeros(LAYERS, H), [REQ], pages.store, slots)
+        per_head=PerHeadBatch(
+            torch.tensor([0]),
+            rows,
+            layers,
+            torch.zeros(LAYERS, H),
+            [REQ],
+            pages.store,
+            seq_lens=lengths.int(),
+            tables=torch.zeros(LAYERS, H, 1),
+            carried_slots=slots,
+        )
     )
 
 

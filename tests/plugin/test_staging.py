@@ -48,7 +48,17 @@ def per_head_step(layers: int = 4, rows: int = 3, heads: int = 2, width: int = 5
         plan_virtual_sequences(torch.zeros(1, dtype=torch.int32), torch.zeros(0), stock_table[:0], 2, 4),
     )
     return RelocatingStep(
-        stock=stock, per_head=PerHeadBatch(token_idx, head_rows, calls, slots, ["a", "b", "c"], store)
+        stock=stock,
+        per_head=PerHeadBatch(
+            token_idx,
+            head_rows,
+            calls,
+            slots,
+            ["a", "b", "c"],
+            store,
+            seq_lens=lengths,
+            tables=tables[:, : rows * heads],
+        ),
     )
 
 

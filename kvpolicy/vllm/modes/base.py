@@ -4,7 +4,7 @@ rows the platform attends as usual, and the one place a request's state is creat
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -106,15 +106,18 @@ class StepShape:
 
     def stock_batch(self, batch: HostBatch, away=()) -> AttentionBatch:
         """The call of every row of the batch but those in ``away``, in vLLM's layout."""
-        rows = sorted(set(range(batch.num_reqs)) - set(away))
-        qsl = batch.query_start_loc
-        query_lens = [int(qsl[row + 1] - qsl[row]) for row in rows]
-        token_idx = torch.cat(
-            [torch.arange(int(qsl[row]), int(qsl[row + 1])) for row in rows] or [torch.zeros(0, dtype=torch.int64)]
+        kept = np.ones(batch.num_reqs, dtype=bool)
+        kept[list(away)] = False
+        rows = np.flatnonzero(kept)
+        qsl = batch.query_start_loc.astype(np.int64)
+        query_lens = qsl[rows + 1] - qsl[rows]
+        ends = np.cumsum(query_lens)
+        token_idx = torch.from_numpy(
+            np.repeat(qsl[rows] - (ends - query_lens), query_lens) + np.arange(ends[-1:].sum())
         )
         query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-        row_idx = torch.tensor(rows, dtype=torch.int64)
+        query_start_loc[1:] = torch.from_numpy(ends)
+        row_idx = torch.from_numpy(rows)
         seq_lens = batch.seq_lens[row_idx]
         table = batch.block_table[row_idx]
         return AttentionBatch(
@@ -180,13 +183,15 @@ class ModeState(ABC, Generic[R]):
             if pages is not None:
                 yield req_id, pages
 
-    def rows(self, batch: HostBatch) -> Iterator[Row]:
-        """The batch's rows the mode may change. A request read again from its first token was preempted
-        and is recomputed from scratch: its state is dropped and its compression redone. A request that
-        asked for ``kv_policy: none`` stays on the stock path."""
+    def rows(self, batch: HostBatch, indices: Iterable[int] | None = None) -> Iterator[Row]:
+        """The batch's rows the mode may change (of ``indices`` only, if given). A request read again from
+        its first token was preempted and is recomputed from scratch: its state is dropped and its
+        compression redone. A request that asked for ``kv_policy: none`` stays on the stock path."""
         qsl, seq_lens = batch.query_start_loc, batch.seq_lens.numpy()
         runner_requests = self.worker.runner.requests
-        for index, req_id in enumerate(batch.req_ids):
+        req_ids = batch.req_ids
+        for index in range(len(req_ids)) if indices is None else indices:
+            req_id = req_ids[index]
             first_token = int(qsl[index])
             row = Row(
                 index,

@@ -50,20 +50,14 @@ class RelocatedRequest:
     uncompressed: bool = False
 
 
-@dataclass(slots=True)
-class PerHeadRow:
-    """A relocated request's row: it attends per head."""
-
-    row: Row
-    pages: RequestPages
-
-
 @dataclass
 class _Draft:
-    """A relocating step as the builder collects it, row by row."""
+    """A relocating step as the builder collects it: the relocated rows that attend per head (their batch
+    rows and pages, in any order: sorted at the end), the rest row by row."""
 
     step: RelocatingStep = field(default_factory=RelocatingStep)
-    per_head: list[PerHeadRow] = field(default_factory=list)
+    per_head_rows: list[int] = field(default_factory=list)
+    per_head_pages: list[RequestPages] = field(default_factory=list)
     summed_rows: list[int] = field(default_factory=list)
 
 
@@ -158,7 +152,8 @@ class Relocate(ModeState[RelocatedRequest]):
         attended with their column sums."""
         draft = _Draft()
         schedule = self.policy.schedule
-        for row in self.rows(batch):
+        rest = self._decoding_rows(draft, batch, shape, schedule)
+        for row in self.rows(batch, rest):
             request = self.requests.get(row.req_id)
             if row.idle or (request is not None and request.uncompressed):
                 continue
@@ -166,12 +161,52 @@ class Relocate(ModeState[RelocatedRequest]):
                 self._relocated_row(draft, row, request.pages, batch, shape, schedule)
             elif row.start < row.prompt_len:
                 self._prompt_row(draft, row, batch, shape)
-        if draft.per_head:
-            draft.step.per_head = self._per_head_batch(draft.per_head, int(batch.query_start_loc[-1]), shape)
-        if draft.per_head or draft.summed_rows:
-            away = [per_head.row.index for per_head in draft.per_head] + draft.summed_rows
-            draft.step.stock = shape.stock_batch(batch, away)
+        if draft.per_head_rows:
+            index = np.asarray(draft.per_head_rows, dtype=np.int64)
+            pages = draft.per_head_pages
+            if rest is not None and (index[1:] < index[:-1]).any():  # rows found both ways: batch order
+                order = np.argsort(index, kind="stable")
+                index, pages = index[order], [pages[i] for i in order]
+            draft.step.per_head = self._per_head_batch(index, pages, batch, shape)
+        if draft.per_head_rows or draft.summed_rows:
+            draft.step.stock = shape.stock_batch(batch, draft.per_head_rows + draft.summed_rows)
         return draft.step
+
+    def _decoding_rows(self, draft: _Draft, batch: HostBatch, shape: StepShape, schedule: Schedule) -> list[int] | None:
+        """Under a policy that never evicts after relocation, a relocated request's row only needs room for
+        its tokens (and the pages of blocks vLLM appended): those rows go per head here, found for the whole
+        batch without a ``Row`` each. Returns the other rows, for ``rows``; None: every row (an evicting
+        policy, checked row by row). A tracked request never asked for ``kv_policy: none`` (``rows`` yields
+        no such row), and one read again from its first token is left to ``rows``, which forgets it."""
+        if schedule.per_chunk or schedule.in_decode:
+            return None
+        requests = self.requests
+        found = [
+            (index, request.pages)
+            for index, request in enumerate(map(requests.get, batch.req_ids))
+            if request is not None and request.pages is not None and not request.uncompressed
+        ]
+        if not found:
+            return None
+        index = np.fromiter((index for index, _ in found), dtype=np.int64, count=len(found))
+        qsl = batch.query_start_loc
+        query_lens = qsl[index + 1] - qsl[index]
+        seq_lens = batch.seq_lens.numpy()[index]
+        decoding = np.flatnonzero((query_lens > 0) & (seq_lens > query_lens)).tolist()
+        fast = index[decoding]
+        pages = [found[i][1] for i in decoding]
+        known = np.fromiter((len(p.blocks) for p in pages), dtype=np.int64, count=len(pages))
+        num_blocks = -(-seq_lens[decoding] // shape.block_size)
+        for i in np.flatnonzero(num_blocks > known).tolist():  # blocks vLLM appended
+            new_blocks = batch.block_table[int(fast[i]), int(known[i]) : int(num_blocks[i])]
+            pages[i].add_blocks(new_blocks.tolist())
+        fast = fast.tolist()
+        draft.per_head_rows.extend(fast)
+        draft.per_head_pages.extend(pages)
+        if len(fast) == batch.num_reqs:
+            return []
+        taken = set(fast)
+        return [i for i in range(batch.num_reqs) if i not in taken]
 
     def _relocated_row(
         self, draft: _Draft, row: Row, pages: RequestPages, batch: HostBatch, shape: StepShape, schedule: Schedule
@@ -180,7 +215,8 @@ class Relocate(ModeState[RelocatedRequest]):
         num_blocks = shape.num_blocks(row.seq_len)
         if num_blocks > len(pages.blocks):
             pages.add_blocks(batch.block_table[row.index, len(pages.blocks) : num_blocks].tolist())
-        draft.per_head.append(PerHeadRow(row, pages))
+        draft.per_head_rows.append(row.index)
+        draft.per_head_pages.append(pages)
         reading = row.start < row.prompt_len
         evicts = schedule.per_chunk if reading else schedule.in_decode
         if evicts and self._evicts_now(row, pages, reading, shape):
@@ -288,43 +324,57 @@ class Relocate(ModeState[RelocatedRequest]):
         over = lengths[:, 0] + row.query_len - np.asarray(self.requests[row.req_id].carried.budgets)
         return over.max() > 0 if reading else over.max() >= shape.block_size
 
-    def _per_head_batch(self, rows: list[PerHeadRow], num_tokens: int, shape: StepShape) -> PerHeadBatch:
-        """The relocated rows' calls, vectorised over the batch: their rows of the page store go first, in
-        this order, and get room for the step's tokens in one ``append``; each layer's table is a view of
-        them. ``num_tokens``: the batch's query tokens."""
+    def _per_head_batch(
+        self, index: np.ndarray, pages: list[RequestPages], batch: HostBatch, shape: StepShape
+    ) -> PerHeadBatch:
+        """The relocated rows' calls (``index``: their batch rows, in order; ``pages``: theirs), vectorised
+        over the batch: their rows of the page store go first, in this order, and get room for the step's
+        tokens in one ``append``; each layer's lengths and table are views of the step's [layers, ...] ones."""
         heads, num_layers = shape.num_kv_heads, shape.num_layers
         store = self.store
-        store.arrange([per_head.pages for per_head in rows])
-        first = np.fromiter((r.row.first_token for r in rows), dtype=np.int64, count=len(rows))
-        query_lens = np.fromiter((r.row.query_len for r in rows), dtype=np.int64, count=len(rows))
-        slots = store.append(np.arange(len(rows)), query_lens)  # [layers, virtual tokens]
-        ends = np.cumsum(query_lens)
-        token_idx = np.repeat(first - (ends - query_lens), query_lens) + np.arange(int(ends[-1]))
-        entry, head_of, nth = virtual_tokens(query_lens, heads)
-        token_of = first[entry] + nth
-        query_start_loc = torch.zeros(len(rows) * heads + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.from_numpy(np.cumsum(np.repeat(query_lens, heads)))
-        lengths = store.lengths[:, : len(rows)].reshape(num_layers, -1)  # a copy: this step's lengths
-        all_seq_lens = torch.from_numpy(lengths)
-        tables = torch.from_numpy(store.tables)[:, : len(rows) * heads]
+        store.arrange(pages)
+        req_ids = [batch.req_ids[i] for i in index.tolist()]
+        rows = len(pages)
+        qsl = batch.query_start_loc
+        first = qsl[index].astype(np.int64)
+        query_lens = qsl[index + 1] - first
+        slots = store.append(np.arange(rows), query_lens)  # [layers, virtual tokens]
+        if (query_lens == 1).all():  # decode: a token per row, a one-token sequence per (row, head)
+            token_idx = first
+            token_of, head_of = np.repeat(first, heads), np.tile(np.arange(heads), rows)
+            query_start_loc = torch.arange(rows * heads + 1, dtype=torch.int32)
+        else:
+            ends = np.cumsum(query_lens)
+            token_idx = np.repeat(first - (ends - query_lens), query_lens) + np.arange(int(ends[-1]))
+            entry, head_of, nth = virtual_tokens(query_lens, heads)
+            token_of = first[entry] + nth
+            query_start_loc = torch.zeros(rows * heads + 1, dtype=torch.int32)
+            query_start_loc[1:] = torch.from_numpy(np.cumsum(np.repeat(query_lens, heads)))
+        lengths = np.empty((num_layers, rows * heads), dtype=store.lengths.dtype)  # this step's, a copy
+        lengths.reshape(num_layers, rows, heads)[...] = store.lengths[:, :rows]
+        seq_lens = torch.from_numpy(lengths)
+        tables = torch.from_numpy(store.tables)[:, : rows * heads]
         token_idx = torch.from_numpy(token_idx)
-        layers, by_lengths = [], {}
-        for layer in range(num_layers):
-            seq_lens = all_seq_lens[layer]
-            key = lengths[layer].tobytes()  # a one-head plan depends on lengths only (``Planner``)
-            if key not in by_lengths:
-                by_lengths[key] = shape.heads_plan(query_start_loc, seq_lens, tables[layer])
-            layers.append(AttentionBatch(token_idx, query_start_loc, seq_lens, tables[layer], 1, by_lengths[key]))
-        whole_batch = token_idx.numel() == len(rows) == num_tokens  # one token per row, every row
+        # A one-head plan depends on the lengths and query layout only (``Planner``): a layer whose lengths
+        # are the layer before's (every layer, under a policy that keeps the same per head) shares its plan.
+        as_before = np.r_[False, (lengths[1:] == lengths[:-1]).all(axis=1)].tolist()
+        layers, plan = [], None
+        for layer_lens, table, same in zip(seq_lens.unbind(0), tables.unbind(0), as_before):
+            if not same:
+                plan = shape.heads_plan(query_start_loc, layer_lens, table)
+            layers.append(AttentionBatch(token_idx, query_start_loc, layer_lens, table, 1, plan))
+        whole_batch = token_idx.numel() == rows == int(qsl[-1])  # one token per row, every row
         carried_slots = None
         if self.policy.inputs.attention:
-            carried_slots = torch.tensor([self.requests[r.row.req_id].carried.slot for r in rows])
+            carried_slots = torch.tensor([self.requests[req_id].carried.slot for req_id in req_ids])
         return PerHeadBatch(
             token_idx,
             HeadRows(torch.from_numpy(token_of), torch.from_numpy(head_of), whole_batch),
             layers,
             torch.from_numpy(slots),
-            [r.row.req_id for r in rows],
+            req_ids,
             store,
-            carried_slots,
+            seq_lens=seq_lens,
+            tables=tables,
+            carried_slots=carried_slots,
         )
