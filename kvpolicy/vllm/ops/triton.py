@@ -18,7 +18,7 @@ import torch
 from kvpolicy.paging import virtual_tokens
 from kvpolicy.vllm.ops.base import KVOps
 from kvpolicy.vllm.ops.staging import StagedStep, TableMirror, copy_to
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, step_tensors
+from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
     PageGeometry,
     context_token_scores,
@@ -77,6 +77,53 @@ def plan_virtual_sequences(
     )
 
 
+@dataclass(frozen=True)
+class LayerCalls:
+    """A step's per-head calls with their device arguments, made once when the step is staged: each layer's
+    write and attention then look their arguments up instead of mapping five host tensors to the staged
+    copy and reducing the layer's lengths to its longest sequence in every call of every layer.
+
+    ``writes``: host address of a layer's slots -> (the rows they are for, the slots' shape, the write's
+    device indices); ``attends``: id of a layer's call -> (the call, its rows, the device indices, its
+    longest sequence)."""
+
+    writes: dict[int, tuple[HeadRows, torch.Size, tuple[torch.Tensor, ...]]]
+    attends: dict[int, tuple[AttentionBatch, HeadRows, tuple[torch.Tensor, ...], int]]
+
+    @classmethod
+    def of(cls, per_head: PerHeadBatch, staged: StagedStep) -> LayerCalls:
+        rows = per_head.rows
+        token_of, head_of, slots, seq_lens, tables = staged.to_device(
+            [rows.token_of, rows.head_of, per_head.slots, per_head.seq_lens, per_head.tables]
+        )
+        host_slots = per_head.slots
+        row_bytes = host_slots.stride(0) * host_slots.element_size()
+        layer_shape = host_slots.shape[1:]
+        writes = {
+            host_slots.data_ptr() + layer * row_bytes: (rows, layer_shape, (token_of, head_of, layer_slots))
+            for layer, layer_slots in enumerate(slots.unbind(0))
+        }
+        longest = per_head.seq_lens.amax(1).tolist()
+        attends = {}
+        for batch, layer_lens, table, max_len in zip(per_head.layers, seq_lens.unbind(0), tables.unbind(0), longest):
+            (qsl,) = staged.to_device([batch.query_start_loc])
+            attends[id(batch)] = (batch, rows, (token_of, head_of, qsl, layer_lens, table), max_len)
+        return cls(writes, attends)
+
+    def write(self, rows: HeadRows, slots: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        known = self.writes.get(slots.data_ptr())
+        if known is None or known[0] is not rows or known[1] != slots.shape or slots.stride() != (1,):
+            return None
+        return known[2]
+
+    def attend(self, batch: AttentionBatch, rows: HeadRows | None):
+        """(device indices, longest sequence) of a per-head call of the step, or None."""
+        known = self.attends.get(id(batch))
+        if known is None or known[0] is not batch or known[1] is not rows:
+            return None
+        return known[2], known[3]
+
+
 def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
     """Where tokens lie in ``cache`` [n, h, block_size, 2*head_size]: its strides on a GPU; on CPU the
     cache writer's packing inside each contiguous page, which must be affine (the vec ISAs)."""
@@ -109,6 +156,8 @@ class TritonOps(KVOps):
     staged: StagedStep | None = None
     #: The relocated requests' page tables on the device, kept in step with the worker's page store.
     tables = TableMirror()
+    #: The current step's per-head calls with their device arguments (None: the step has none).
+    layer_calls: LayerCalls | None = None
 
     def __init__(self, impl=None):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -136,9 +185,10 @@ class TritonOps(KVOps):
         tensors = list(step_tensors(step))
         per_head = getattr(step, "per_head", None)
         if per_head is None:
-            TritonOps.staged = StagedStep(tensors, device)
+            TritonOps.staged, TritonOps.layer_calls = StagedStep(tensors, device), None
         else:
-            TritonOps.staged = TritonOps.tables.stage(per_head.store, tensors, device)
+            staged = TritonOps.staged = TritonOps.tables.stage(per_head.store, tensors, device)
+            TritonOps.layer_calls = LayerCalls.of(per_head, staged)
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         if kv_heads == 1 and self._heads_plan[0] is query_start_loc:
@@ -152,11 +202,24 @@ class TritonOps(KVOps):
         return _on(device, tensor)[0]
 
     def write(self, layer, cache, key, value, rows: HeadRows, slots):
-        indices = _on(cache.device, rows.token_of, rows.head_of, slots)
+        calls = TritonOps.layer_calls
+        indices = calls.write(rows, slots) if calls is not None else None
+        if indices is None:
+            indices = _on(cache.device, rows.token_of, rows.head_of, slots)
         write_slots(cache, cache_geometry(layer, cache), key, value, *indices)
 
     def attend(self, layer, query, out, cache, batch: AttentionBatch, rows: HeadRows | None = None):
         virtual: VirtualSequences = batch.plan
+        calls = TritonOps.layer_calls
+        known = calls.attend(batch, rows) if calls is not None else None
+        if known is not None:
+            indices, longest = known
+            geometry = cache_geometry(layer, cache)
+            impl = self.impl
+            paged_attention(
+                query, out, cache, geometry, *indices, impl.scale, impl.num_kv_heads, virtual.max_query_len, longest
+            )
+            return
         qsl, seq_lens, table = batch.query_start_loc, batch.seq_lens, batch.block_table
         if batch.kv_heads > 1:
             if not batch.token_idx.numel():
@@ -191,7 +254,13 @@ class TritonOps(KVOps):
         move_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, src, dst))
 
     def new_token_weights(self, layer, query, cache, batch, rows: HeadRows):
-        indices = _on(cache.device, rows.token_of, rows.head_of, batch.block_table, batch.seq_lens)
+        calls = TritonOps.layer_calls
+        known = calls.attend(batch, rows) if calls is not None else None
+        if known is None:
+            indices = _on(cache.device, rows.token_of, rows.head_of, batch.block_table, batch.seq_lens)
+        else:
+            token_of, head_of, _, seq_lens, table = known[0]
+            indices = (token_of, head_of, table, seq_lens)
         geometry = cache_geometry(layer, cache)
         return new_token_weights(query, cache, geometry, *indices, self.impl.scale, self.impl.num_kv_heads).double()
 
