@@ -30,6 +30,11 @@ def copy_to(device: torch.device, tensors: list[torch.Tensor]) -> list[torch.Ten
     return [t.to(device, non_blocking=True) for t in tensors]
 
 
+def _storage_address(tensor: torch.Tensor) -> int:
+    """The address of the storage a tensor views (without making the storage's Python object)."""
+    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+
+
 def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
     """The bytes of its storage a tensor views: [first, end)."""
     size = tensor.element_size()
@@ -55,10 +60,10 @@ class StagedStep:
         self.mirrored = mirrored or {}
         extents: dict[int, tuple[torch.Tensor, int, int]] = {}  # storage address -> (a tensor on it, first, end)
         for tensor in tensors:
-            address = tensor.untyped_storage().data_ptr()
-            if address in self.mirrored:
-                continue
             if tensor.device.type != "cpu" or not tensor.numel() or any(s < 0 for s in tensor.stride()):
+                continue
+            address = _storage_address(tensor)
+            if address in self.mirrored:
                 continue
             first, end = _byte_extent(tensor)
             if address in extents:
@@ -93,7 +98,7 @@ class StagedStep:
         return view
 
     def _view(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        address = tensor.untyped_storage().data_ptr()
+        address = _storage_address(tensor)
         mirror = self.mirrored.get(address)
         if mirror is not None:  # the device's copy has the host storage's shape: the same offset and strides
             return mirror.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
@@ -140,14 +145,14 @@ class TableMirror:
         if changes.resized or self.store is not store or self.tables is None or self.tables.shape != host.shape:
             staged = StagedStep([*step_tensors, host], device)
             self.store, self.tables = store, staged.on(host).clone()
-            staged.mirrored = {host.untyped_storage().data_ptr(): self.tables}
+            staged.mirrored = {_storage_address(host): self.tables}
             return staged
         rows = np.fromiter(sorted(changes.rows), dtype=np.int64, count=len(changes.rows))
         by_row = store.tables.reshape(store.num_layers, store.num_rows, -1)
         flat = np.concatenate(changes.flat) if changes.flat else np.zeros(0, dtype=np.int64)
         values = np.concatenate(changes.values) if changes.values else np.zeros(0, dtype=np.int32)
         updates = [torch.from_numpy(array) for array in (rows, by_row[:, rows], flat, values)]
-        staged = StagedStep([*step_tensors, *updates], device, {host.untyped_storage().data_ptr(): self.tables})
+        staged = StagedStep([*step_tensors, *updates], device, {_storage_address(host): self.tables})
         rows, contents, flat, values = (staged.to_device([t])[0] for t in updates)
         if rows.numel():
             self.tables.view(store.num_layers, store.num_rows, -1)[:, rows] = contents

@@ -105,8 +105,11 @@ class LayerCalls:
         }
         longest = per_head.seq_lens.amax(1).tolist()
         attends = {}
+        host_qsl = qsl = None
         for batch, layer_lens, table, max_len in zip(per_head.layers, seq_lens.unbind(0), tables.unbind(0), longest):
-            (qsl,) = staged.to_device([batch.query_start_loc])
+            if batch.query_start_loc is not host_qsl:  # the builder gives every layer the same
+                host_qsl = batch.query_start_loc
+                (qsl,) = staged.to_device([host_qsl])
             attends[id(batch)] = (batch, rows, (token_of, head_of, qsl, layer_lens, table), max_len)
         return cls(writes, attends)
 
