@@ -9,6 +9,8 @@ runs the step in every layer is ``relocate_path.PerHeadPath``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,11 @@ class RelocatedRequest:
     observed: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
     carried: CarriedState | None = None
     uncompressed: bool = False
+
+
+#: What ``Relocate._decoding_rows`` reads of every row's request: a request not tracked reads as a new one.
+_UNTRACKED = RelocatedRequest()
+_PAGES, _UNCOMPRESSED, _BLOCKS = attrgetter("pages"), attrgetter("uncompressed"), attrgetter("blocks")
 
 
 @dataclass
@@ -180,27 +187,25 @@ class Relocate(ModeState[RelocatedRequest]):
         no such row), and one read again from its first token is left to ``rows``, which forgets it."""
         if schedule.per_chunk or schedule.in_decode:
             return None
-        requests = self.requests
-        found = [
-            (index, request.pages)
-            for index, request in enumerate(map(requests.get, batch.req_ids))
-            if request is not None and request.pages is not None and not request.uncompressed
-        ]
-        if not found:
+        # C-level maps over the batch: a row costs no Python bytecode until the rows needing blocks.
+        tracked = list(map(self.requests.get, batch.req_ids, repeat(_UNTRACKED)))
+        held = list(map(_PAGES, tracked))
+        relocated = np.fromiter(map(is_not, held, repeat(None)), dtype=bool, count=len(held))
+        relocated &= ~np.fromiter(map(_UNCOMPRESSED, tracked), dtype=bool, count=len(held))
+        index = np.flatnonzero(relocated)
+        if not index.size:
             return None
-        index = np.fromiter((index for index, _ in found), dtype=np.int64, count=len(found))
         qsl = batch.query_start_loc
         query_lens = qsl[index + 1] - qsl[index]
         seq_lens = batch.seq_lens.numpy()[index]
-        decoding = np.flatnonzero((query_lens > 0) & (seq_lens > query_lens)).tolist()
-        fast = index[decoding]
-        pages = [found[i][1] for i in decoding]
-        known = np.fromiter((len(p.blocks) for p in pages), dtype=np.int64, count=len(pages))
+        decoding = np.flatnonzero((query_lens > 0) & (seq_lens > query_lens))
+        fast = index[decoding].tolist()
+        pages = list(map(held.__getitem__, fast))
+        known = np.fromiter(map(len, map(_BLOCKS, pages)), dtype=np.int64, count=len(pages))
         num_blocks = -(-seq_lens[decoding] // shape.block_size)
         for i in np.flatnonzero(num_blocks > known).tolist():  # blocks vLLM appended
-            new_blocks = batch.block_table[int(fast[i]), int(known[i]) : int(num_blocks[i])]
+            new_blocks = batch.block_table[fast[i], int(known[i]) : int(num_blocks[i])]
             pages[i].add_blocks(new_blocks.tolist())
-        fast = fast.tolist()
         draft.per_head_rows.extend(fast)
         draft.per_head_pages.extend(pages)
         if len(fast) == batch.num_reqs:
