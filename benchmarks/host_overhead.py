@@ -33,6 +33,7 @@ random K/V on this CPU, and reports the bytes that would cross.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -157,6 +158,9 @@ class SyntheticEngine:
     stubbed kernels never read them; page pools per layer, as on CUDA), and each step's ``CommonAttentionMetadata``."""
 
     def __init__(self, policy: str, budget: int):
+        # The previous case's engine is garbage in reference cycles (a page store's rows point back at it):
+        # freed here, or Python's collector frees its hundreds of MB inside this case's timed steps.
+        gc.collect()
         layers, heads, block = SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["block_size"]
         self.blocks_per_request = -(-(2 * CONTEXT) // block)
         self.next_block = 0
