@@ -153,18 +153,23 @@ class PageStore:
         self.free[pool, row, : len(pages)] = pages
         self.free_start[pool, row], self.free_end[pool, row] = 0, len(pages)
 
-    def extend_free(self, row: int, pages: np.ndarray) -> None:
-        """Add ``pages`` [pools, n] at the end of each pool's free pages of ``row``."""
-        count = pages.shape[1]
-        if (self.free_end[:, row] + count > self.free.shape[2]).any():
-            held = [self.free_pages(pool, row) for pool in range(self.num_pools)]
-            if max(map(len, held)) + count > self.free.shape[2]:
-                self._widen_free(max(map(len, held)) + count)
-            for pool, pages_held in enumerate(held):
-                self.set_free(pool, row, pages_held)
-        columns = self.free_end[:, row][:, None] + np.arange(count)
-        self.free[np.arange(self.num_pools)[:, None], row, columns] = pages
-        self.free_end[:, row] += count
+    def extend_free(self, rows: np.ndarray, pages: np.ndarray) -> None:
+        """Add ``pages[pool, i]`` (``pages`` [pools, len(rows), n]) at the end of each pool's free pages of row
+        ``rows[i]`` (distinct rows): the blocks a step appended to every request of a batch, in one call."""
+        count = pages.shape[2]
+        ends = self.free_end[:, rows]
+        full = ends + count > self.free.shape[2]
+        if full.any():  # rows whose free pages reach the end: moved to the front, the array widened if need be
+            for row in rows[full.any(axis=0)].tolist():
+                held = [self.free_pages(pool, row) for pool in range(self.num_pools)]
+                if max(map(len, held)) + count > self.free.shape[2]:
+                    self._widen_free(max(map(len, held)) + count)
+                for pool, pages_held in enumerate(held):
+                    self.set_free(pool, row, pages_held)
+            ends = self.free_end[:, rows]
+        columns = ends[:, :, None] + np.arange(count)
+        self.free[np.arange(self.num_pools)[:, None, None], rows[None, :, None], columns] = pages
+        self.free_end[:, rows] += count
 
     # The step.
 

@@ -152,15 +152,34 @@ class RequestPages:
         """Blocks vLLM appended to the request: new, so writable and their pages free in every pool (the
         prompt's blocks, added at construction, are not: they hold its tokens and ``order`` says which to write)."""
         if writable and len(blocks):
-            self.order.extend(range(len(self.blocks), len(self.blocks) + len(blocks)))
-            firsts = self.layer_base[:, None] + np.asarray(blocks, dtype=np.int64)[None, :] * self.num_heads
-            pages = firsts[:, :, None] + np.arange(self.num_heads)  # [layers, blocks, heads]
-            by_pool = (
-                pages.transpose(1, 0, 2).reshape(1, -1) if self.pools_layers else pages.reshape(self.num_layers, -1)
-            )
-            self.store.extend_free(self.row, by_pool)
+            RequestPages.add_new_blocks([self], np.asarray(blocks, dtype=np.int64)[None, :])
+            return
         self.blocks.extend(int(block) for block in blocks)
         self._keys = [None] * self.store.num_pools
+
+    @staticmethod
+    def add_new_blocks(requests: Sequence[RequestPages], blocks: np.ndarray) -> None:
+        """``add_blocks(blocks[i])`` for each of ``requests`` (rows of one store; ``blocks`` [requests, n]),
+        their free pages added to the store in one call: when a batch's requests cross a block boundary in
+        the same step, one per request cost milliseconds."""
+        store, heads = requests[0].store, requests[0].num_heads
+        count = blocks.shape[1]
+        for request, new in zip(requests, blocks.tolist()):
+            if request.store is not store:
+                raise ValueError("requests of different page stores")
+            request.order.extend(range(len(request.blocks), len(request.blocks) + count))
+            request.blocks.extend(new)
+            request._keys = [None] * store.num_pools
+        pages = (blocks * heads)[:, None, :, None] + np.arange(heads)  # [requests, 1, blocks, heads]
+        if store.pools_layers:  # one pool: each layer's pages from its base, in (block, layer, head) order
+            pages = np.stack([request.layer_base for request in requests])[:, :, None, None] + pages
+            by_pool = pages.transpose(0, 2, 1, 3).reshape(1, len(requests), -1)
+        else:  # a pool per layer, of the layer's own cache: the same pages in each
+            by_pool = np.broadcast_to(
+                pages.reshape(1, len(requests), -1), (store.num_layers, len(requests), count * heads)
+            )
+        rows = np.fromiter((request.row for request in requests), dtype=np.int64, count=len(requests))
+        store.extend_free(rows, by_pool)
 
     def _live_order(self) -> list[int]:
         """Block-table positions relocation may write and not yet released, in the order it fills them."""

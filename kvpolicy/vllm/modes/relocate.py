@@ -203,9 +203,12 @@ class Relocate(ModeState[RelocatedRequest]):
         pages = list(map(held.__getitem__, fast))
         known = np.fromiter(map(len, map(_BLOCKS, pages)), dtype=np.int64, count=len(pages))
         num_blocks = -(-seq_lens[decoding] // shape.block_size)
-        for i in np.flatnonzero(num_blocks > known).tolist():  # blocks vLLM appended
-            new_blocks = batch.block_table[fast[i], int(known[i]) : int(num_blocks[i])]
-            pages[i].add_blocks(new_blocks.tolist())
+        appended = num_blocks - known  # blocks vLLM appended, added for every row with as many at once
+        for count in np.unique(appended[appended > 0]).tolist():
+            adding = np.flatnonzero(appended == count)
+            positions = torch.from_numpy(known[adding][:, None] + np.arange(count))
+            new_blocks = batch.block_table[torch.from_numpy(np.asarray(fast)[adding])[:, None], positions]
+            RequestPages.add_new_blocks([pages[i] for i in adding.tolist()], new_blocks.numpy().astype(np.int64))
         draft.per_head_rows.extend(fast)
         draft.per_head_pages.extend(pages)
         if len(fast) == batch.num_reqs:
