@@ -48,11 +48,15 @@ def test_a_batch_append_equals_each_request_appending_alone(pooled, seed):
     for step in range(30):
         chosen = rng.permutation(len(batch))[: rng.integers(1, len(batch) + 1)]
         counts = rng.choice([1, 1, 1, 2, 5], size=chosen.size)
-        for i in chosen:  # vLLM appends blocks as requests grow
-            while min(map(len, alone[i].free)) < 6 * heads * (layers if pooled else 1):
-                batch[i].add_blocks([next_block])
-                alone[i].add_blocks([next_block])
-                next_block += 1
+        while True:  # vLLM appends blocks as requests grow: the batch's in one call, each alone by itself
+            short = [i for i in chosen if min(map(len, alone[i].free)) < 6 * heads * (layers if pooled else 1)]
+            if not short:
+                break
+            new_blocks = np.arange(next_block, next_block + len(short))[:, None]
+            RequestPages.add_new_blocks([batch[i] for i in short], new_blocks)
+            for i, block in zip(short, new_blocks[:, 0].tolist()):
+                alone[i].add_blocks([block])
+            next_block += len(short)
         store.arrange([batch[i] for i in chosen])
         assert [batch[i].row for i in chosen] == list(range(chosen.size))
         slots = store.append(np.arange(chosen.size), counts)
