@@ -52,11 +52,18 @@ def test_a_batch_append_equals_each_request_appending_alone(pooled, seed):
             short = [i for i in chosen if min(map(len, alone[i].free)) < 6 * heads * (layers if pooled else 1)]
             if not short:
                 break
-            new_blocks = np.arange(next_block, next_block + len(short))[:, None]
+            count = int(rng.integers(1, 3))
+            new_blocks = np.arange(next_block, next_block + len(short) * count).reshape(len(short), count)
             RequestPages.add_new_blocks([batch[i] for i in short], new_blocks)
-            for i, block in zip(short, new_blocks[:, 0].tolist()):
-                alone[i].add_blocks([block])
-            next_block += len(short)
+            for i, blocks in zip(short, new_blocks.tolist()):
+                alone[i].add_blocks(blocks)
+                assert batch[i].free[-1][-len(blocks) * heads * (layers if pooled else 1) :] == [
+                    (1000 * layer if pooled else 0) + block * heads + head
+                    for block in blocks
+                    for layer in (range(layers) if pooled else [0])
+                    for head in range(heads)
+                ]  # a block's pages, by layer when one pool holds every layer's
+            next_block += new_blocks.size
         store.arrange([batch[i] for i in chosen])
         assert [batch[i].row for i in chosen] == list(range(chosen.size))
         slots = store.append(np.arange(chosen.size), counts)
