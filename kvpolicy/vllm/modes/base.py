@@ -95,7 +95,8 @@ class StepShape:
     plan: Planner
     sums_prompts: bool = False  # the ops attend H2O/D2O prompt chunks themselves (``KVOps.prompt_attention``)
 
-    def num_blocks(self, length: int) -> int:
+    def num_blocks(self, length: int | np.ndarray) -> int | np.ndarray:
+        """Blocks that hold ``length`` tokens (elementwise for an array of lengths)."""
         return -(-length // self.block_size)
 
     def rows_plan(self, query_start_loc, seq_lens, block_table):

@@ -202,7 +202,7 @@ class Relocate(ModeState[RelocatedRequest]):
         fast = index[decoding].tolist()
         pages = list(map(held.__getitem__, fast))
         known = np.fromiter(map(len, map(_BLOCKS, pages)), dtype=np.int64, count=len(pages))
-        num_blocks = -(-seq_lens[decoding] // shape.block_size)
+        num_blocks = shape.num_blocks(seq_lens[decoding])
         appended = num_blocks - known  # blocks vLLM appended, added for every row with as many at once
         for count in np.unique(appended[appended > 0]).tolist():
             adding = np.flatnonzero(appended == count)

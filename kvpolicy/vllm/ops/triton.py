@@ -217,21 +217,17 @@ class TritonOps(KVOps):
         known = calls.attend(batch, rows) if calls is not None else None
         if known is not None:
             indices, longest = known
-            geometry = cache_geometry(layer, cache)
-            impl = self.impl
-            paged_attention(
-                query, out, cache, geometry, *indices, impl.scale, impl.num_kv_heads, virtual.max_query_len, longest
-            )
-            return
-        qsl, seq_lens, table = batch.query_start_loc, batch.seq_lens, batch.block_table
-        if batch.kv_heads > 1:
-            if not batch.token_idx.numel():
-                return
-            token_of, head_of = batch.token_idx[virtual.local_token], virtual.head_of
-            qsl, seq_lens, table = virtual.query_start_loc, virtual.seq_lens, virtual.page_table
         else:
-            token_of, head_of = rows.token_of, rows.head_of
-        indices = _on(cache.device, token_of, head_of, qsl, seq_lens, table)
+            qsl, seq_lens, table = batch.query_start_loc, batch.seq_lens, batch.block_table
+            if batch.kv_heads > 1:
+                if not batch.token_idx.numel():
+                    return
+                token_of, head_of = batch.token_idx[virtual.local_token], virtual.head_of
+                qsl, seq_lens, table = virtual.query_start_loc, virtual.seq_lens, virtual.page_table
+            else:
+                token_of, head_of = rows.token_of, rows.head_of
+            indices = _on(cache.device, token_of, head_of, qsl, seq_lens, table)
+            longest = int(seq_lens.max())
         paged_attention(
             query,
             out,
@@ -241,7 +237,7 @@ class TritonOps(KVOps):
             self.impl.scale,
             self.impl.num_kv_heads,
             virtual.max_query_len,
-            int(seq_lens.max()),
+            longest,
         )
 
     def gather(self, layer, cache, slots):
