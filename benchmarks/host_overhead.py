@@ -7,10 +7,12 @@ Drives the real code of the CUDA path on this CPU: the step builder
 (``StepBuilder.build`` with the Triton ops' planner) and the ops' staging of
 the step's index tensors (``TritonOps.stage``), then, per layer, the
 per-head path's write, attention and after-attention glue with
-``TritonOps``, whose kernels and cache geometry are replaced by stubs that do
-nothing. What is timed is therefore Python, numpy and small torch work on the
-host: on a GPU the kernels queue asynchronously behind it, so a step costs at
-least this much host time whatever the GPU.
+``TritonOps``, whose kernels, cache geometry and the scatter that brings the
+device's page tables up to date (``staging.update_tables``) are replaced by
+stubs that do nothing. What is timed is therefore Python, numpy and small torch
+work on the host: on a GPU the kernels queue asynchronously behind it, so a
+step costs at least this much host time whatever the GPU (the launches
+themselves not counted).
 
 Shape: Llama-3.1-8B (32 layers, 32 query heads over 8 KV heads, head size
 128, bfloat16) on vLLM's 16-token CUDA blocks; every request has a 4,096-token
@@ -117,7 +119,8 @@ class Traffic:
 
 @contextmanager
 def kernels_stubbed():
-    """The Triton ops' kernels do nothing; ``gather_tokens`` returns random K/V of the right size."""
+    """The Triton ops' kernels and the page tables' update on the device do nothing; ``gather_tokens`` returns
+    random K/V of the right size."""
     head_size = SHAPE["head_size"]
 
     def gather(cache, geometry, slots):
@@ -136,13 +139,16 @@ def kernels_stubbed():
         "cache_geometry": lambda layer, cache: None,
     }
     saved = {name: getattr(triton_ops, name) for name in stubs}
+    saved_update = staging.update_tables
     for name, stub in stubs.items():
         setattr(triton_ops, name, stub)
+    staging.update_tables = lambda *args: None  # scatters into the device's page tables: device work on a GPU
     try:
         yield
     finally:
         for name, real in saved.items():
             setattr(triton_ops, name, real)
+        staging.update_tables = saved_update
 
 
 def uneven_head_lengths(rng: np.random.Generator, layers: int, heads: int, budget: int) -> np.ndarray:
@@ -221,7 +227,9 @@ class SyntheticEngine:
             request.num_tokens = max(CONTEXT, request.num_computed_tokens)
         if len(rows) > len(self.table_rows):
             extra = len(rows) - len(self.table_rows)
-            self.block_table = torch.cat([self.block_table, torch.zeros(extra, self.blocks_per_request, dtype=torch.int32)])
+            self.block_table = torch.cat(
+                [self.block_table, torch.zeros(extra, self.blocks_per_request, dtype=torch.int32)]
+            )
             self.table_rows.extend([None] * extra)
         for index, (req_id, _) in enumerate(rows):
             if self.table_rows[index] != req_id:

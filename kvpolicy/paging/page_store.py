@@ -40,7 +40,7 @@ class StoreChanges:
 
 
 #: ``PageStore``'s arrays with a part per row, each on its axis 1 (the tables' with ``heads`` entries per row).
-ROW_ARRAYS = ("lengths", "counts", "last_pages", "tables", "free", "free_start", "free_end")
+ROW_ARRAYS = ("lengths", "counts", "page_starts", "tables", "free", "free_start", "free_end")
 
 
 class PageStore:
@@ -61,7 +61,9 @@ class PageStore:
         self.num_pools = 1 if pools_layers else num_layers
         self.lengths = np.zeros((num_layers, rows, num_heads), dtype=np.int32)
         self.counts = np.zeros((num_layers, rows, num_heads), dtype=np.int32)
-        self.last_pages = np.zeros((num_layers, rows, num_heads), dtype=np.int32)  # each head's last page, or 0
+        # each head's last page as its first slot (page * block_size, 0 without pages): a decode step's slots
+        # are then one addition
+        self.page_starts = np.zeros((num_layers, rows, num_heads), dtype=np.int64)
         self.tables = np.zeros((num_layers, rows * num_heads, 4), dtype=np.int32)
         self.free = np.zeros((self.num_pools, rows, 4 * num_heads), dtype=np.int32)
         self.free_start = np.zeros((self.num_pools, rows), dtype=np.int64)
@@ -141,7 +143,7 @@ class PageStore:
         table[: len(pages)] = pages
         table[len(pages) :] = 0
         self.counts[layer, row, head] = len(pages)
-        self.last_pages[layer, row, head] = pages[-1] if pages else 0
+        self.page_starts[layer, row, head] = pages[-1] * self.block_size if pages else 0
         self.changes.rows.add(row)
 
     def free_pages(self, pool: int, row: int) -> list[int]:
@@ -190,8 +192,8 @@ class PageStore:
         if missing.any():
             self._take_free(rows, missing)
         if decode:  # one token per head, in its last page (taken above if the others were full)
-            pages = self.last_pages[:, index].reshape(self.num_layers, -1)
-            slots = pages.astype(np.int64) * self.block_size + self._offset_of(lengths.reshape(self.num_layers, -1))
+            starts = self.page_starts[:, index].reshape(self.num_layers, -1)
+            slots = starts + self._offset_of(lengths.reshape(self.num_layers, -1))
             self.lengths[:, index] += 1
             return slots
         entry, head_of, nth = virtual_tokens(counts, heads)
@@ -223,27 +225,24 @@ class PageStore:
         num_layers, num_rows, heads = missing.shape
         by_pool = missing.transpose(1, 0, 2) if self.pools_layers else missing  # a row's heads take from one pool
         taking = np.flatnonzero(by_pool)  # in (row, layer, head) order with one pool, else (layer, row, head)
-        pair = taking // heads
-        head = taking - pair * heads
+        pair, head = np.divmod(taking, heads)
         if self.pools_layers:
-            entry = pair // num_layers
-            layer = pair - entry * num_layers
+            entry, layer = np.divmod(pair, num_layers)
             row = rows[entry]
             group = row  # one pool of one row: consecutive entries
         else:
-            layer = pair // num_rows
-            row = rows[pair - layer * num_rows]
+            layer, entry = np.divmod(pair, num_rows)
+            row = rows[entry]
             group = layer * self.num_rows + row
         head_index = (layer * self.num_rows + row) * self.num_heads + head  # into ``counts``, flat
-        starts = np.flatnonzero(group[1:] != group[:-1]) + 1
-        starts = np.concatenate([[0], starts])  # each pool-row's first entry
-        sizes = np.diff(starts, append=group.size)
+        bounds = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1], [True])))
+        starts, sizes = bounds[:-1], np.diff(bounds)  # each pool-row's first entry, and its entries
         if missing.dtype == bool:  # decode: one page each
             ahead = np.arange(group.size) - np.repeat(starts, sizes)  # pages taken before in its pool
             taken = self._pop_free(group, ahead, layer)
             self._write_pages(head_index, self.counts.reshape(-1)[head_index], taken)
             self.counts.reshape(-1)[head_index] += 1
-            self.last_pages.reshape(-1)[head_index] = taken
+            self.page_starts.reshape(-1)[head_index] = taken.astype(np.int64) * self.block_size
             self.free_start.reshape(-1)[group[starts]] += sizes
             return
         wanted = by_pool.reshape(-1)[taking].astype(np.int64)
@@ -255,7 +254,7 @@ class PageStore:
         self._write_pages(head_index[each], self.counts.reshape(-1)[head_index][each] + nth, taken)
         self.counts.reshape(-1)[head_index] += wanted.astype(np.int32)
         last = nth == wanted[each] - 1  # each head's last page taken
-        self.last_pages.reshape(-1)[head_index[each][last]] = taken[last]
+        self.page_starts.reshape(-1)[head_index[each][last]] = taken[last].astype(np.int64) * self.block_size
         self.free_start += (
             np.bincount(group, weights=wanted, minlength=self.free_start.size)
             .reshape(self.free_start.shape)

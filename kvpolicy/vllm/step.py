@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -97,7 +98,7 @@ class PerHeadBatch:
         row) and the layers' calls, whose lengths and tables are views of ``seq_lens`` and ``tables``; of
         the calls, only what they share (token indices, query layout, plans), once each. A step of a
         32-layer model is then not searched call by call."""
-        parts = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("layers", "req_ids")]
+        parts = [getattr(self, name) for name in _field_names(PerHeadBatch) if name not in ("layers", "req_ids")]
         shared = {id(part): part for call in self.layers for part in (call.token_idx, call.query_start_loc, call.plan)}
         return parts + list(shared.values())
 
@@ -306,4 +307,10 @@ def step_tensors(step: Step):
         elif isinstance(item, PerHeadBatch):
             pending.extend(item.staged_parts())
         elif dataclasses.is_dataclass(item) and not isinstance(item, Policy):
-            pending.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+            pending.extend(map(getattr, repeat(item), _field_names(type(item))))
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, read once per class (``dataclasses.fields`` builds them at every call)."""
+    return tuple(f.name for f in dataclasses.fields(cls))

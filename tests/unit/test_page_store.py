@@ -25,8 +25,8 @@ def relocated(layers: int, heads: int, blocks: list[int], store: PageStore | Non
 
 def same_pages(a: RequestPages, b: RequestPages) -> None:
     assert a.head_pages == b.head_pages
-    last = [[pages[-1] if pages else 0 for pages in layer] for layer in a.head_pages]
-    assert a.store.last_pages[:, a.row].tolist() == last
+    last = [[pages[-1] * BS if pages else 0 for pages in layer] for layer in a.head_pages]
+    assert a.store.page_starts[:, a.row].tolist() == last
     assert a.lengths.tolist() == b.lengths.tolist()
     assert a.free == b.free
 

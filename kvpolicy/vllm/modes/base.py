@@ -106,7 +106,21 @@ class StepShape:
         return self.plan(query_start_loc, seq_lens, block_table, 1, self.queries_per_kv)
 
     def stock_batch(self, batch: HostBatch, away=()) -> AttentionBatch:
-        """The call of every row of the batch but those in ``away``, in vLLM's layout."""
+        """The call of every row of the batch but those in ``away`` (distinct rows), in vLLM's layout."""
+        if len(away) == batch.num_reqs:  # every row elsewhere (a decode step of relocated requests): no call
+            query_start_loc, seq_lens, table = (
+                torch.zeros(1, dtype=torch.int32),
+                batch.seq_lens[:0],
+                batch.block_table[:0],
+            )
+            return AttentionBatch(
+                torch.zeros(0, dtype=torch.int64),
+                query_start_loc,
+                seq_lens,
+                table,
+                self.num_kv_heads,
+                self.rows_plan(query_start_loc, seq_lens, table),
+            )
         kept = np.ones(batch.num_reqs, dtype=bool)
         kept[list(away)] = False
         rows = np.flatnonzero(kept)

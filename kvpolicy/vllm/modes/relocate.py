@@ -365,9 +365,11 @@ class Relocate(ModeState[RelocatedRequest]):
         token_idx = torch.from_numpy(token_idx)
         # A one-head plan depends on the lengths and query layout only (``Planner``): a layer whose lengths
         # are the layer before's (every layer, under a policy that keeps the same per head) shares its plan.
-        as_before = np.r_[False, (lengths[1:] == lengths[:-1]).all(axis=1)].tolist()
+        as_before = np.zeros(num_layers, dtype=bool)
+        alike = np.flatnonzero(lengths[1:, 0] == lengths[:-1, 0]) + 1  # layers whose first lengths agree
+        as_before[alike] = (lengths[alike] == lengths[alike - 1]).all(axis=1)
         layers, plan = [], None
-        for layer_lens, table, same in zip(seq_lens.unbind(0), tables.unbind(0), as_before):
+        for layer_lens, table, same in zip(seq_lens.unbind(0), tables.unbind(0), as_before.tolist()):
             if not same:
                 plan = shape.heads_plan(query_start_loc, layer_lens, table)
             layers.append(AttentionBatch(token_idx, query_start_loc, layer_lens, table, 1, plan))

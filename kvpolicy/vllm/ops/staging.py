@@ -153,9 +153,16 @@ class TableMirror:
         values = np.concatenate(changes.values) if changes.values else np.zeros(0, dtype=np.int32)
         updates = [torch.from_numpy(array) for array in (rows, by_row[:, rows], flat, values)]
         staged = StagedStep([*step_tensors, *updates], device, {_storage_address(host): self.tables})
-        rows, contents, flat, values = (staged.to_device([t])[0] for t in updates)
-        if rows.numel():
-            self.tables.view(store.num_layers, store.num_rows, -1)[:, rows] = contents
-        if flat.numel():
-            self.tables.view(-1)[flat] = values
+        update_tables(self.tables.view(store.num_layers, store.num_rows, -1), *staged.to_device(updates))
         return staged
+
+
+def update_tables(
+    tables: torch.Tensor, rows: torch.Tensor, contents: torch.Tensor, flat: torch.Tensor, values: torch.Tensor
+) -> None:
+    """The device's work of a ``TableMirror`` update: rows ``rows`` of ``tables`` [layers, rows, entries] rewritten
+    with ``contents``, then entries ``flat`` (flat indices) set to ``values``."""
+    if rows.numel():
+        tables[:, rows] = contents
+    if flat.numel():
+        tables.view(-1)[flat] = values
