@@ -240,8 +240,9 @@ class PageStore:
         if missing.dtype == bool:  # decode: one page each
             ahead = np.arange(group.size) - np.repeat(starts, sizes)  # pages taken before in its pool
             taken = self._pop_free(group, ahead, layer)
-            self._write_pages(head_index, self.counts.reshape(-1)[head_index], taken)
-            self.counts.reshape(-1)[head_index] += 1
+            columns = self.counts.reshape(-1)[head_index]
+            self._write_pages(head_index, columns, taken)
+            self.counts.reshape(-1)[head_index] = columns + 1
             self.page_starts.reshape(-1)[head_index] = taken.astype(np.int64) * self.block_size
             self.free_start.reshape(-1)[group[starts]] += sizes
             return
