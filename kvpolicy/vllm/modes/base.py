@@ -107,32 +107,22 @@ class StepShape:
 
     def stock_batch(self, batch: HostBatch, away=()) -> AttentionBatch:
         """The call of every row of the batch but those in ``away`` (distinct rows), in vLLM's layout."""
-        if len(away) == batch.num_reqs:  # every row elsewhere (a decode step of relocated requests): no call
-            query_start_loc, seq_lens, table = (
-                torch.zeros(1, dtype=torch.int32),
-                batch.seq_lens[:0],
-                batch.block_table[:0],
+        if len(away) == batch.num_reqs:  # every row elsewhere (a decode step of relocated requests): no row
+            token_idx, query_start_loc = torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+            row_idx = slice(0, 0)
+        else:
+            kept = np.ones(batch.num_reqs, dtype=bool)
+            kept[list(away)] = False
+            rows = np.flatnonzero(kept)
+            qsl = batch.query_start_loc.astype(np.int64)
+            query_lens = qsl[rows + 1] - qsl[rows]
+            ends = np.cumsum(query_lens)
+            token_idx = torch.from_numpy(
+                np.repeat(qsl[rows] - (ends - query_lens), query_lens) + np.arange(ends[-1:].sum())
             )
-            return AttentionBatch(
-                torch.zeros(0, dtype=torch.int64),
-                query_start_loc,
-                seq_lens,
-                table,
-                self.num_kv_heads,
-                self.rows_plan(query_start_loc, seq_lens, table),
-            )
-        kept = np.ones(batch.num_reqs, dtype=bool)
-        kept[list(away)] = False
-        rows = np.flatnonzero(kept)
-        qsl = batch.query_start_loc.astype(np.int64)
-        query_lens = qsl[rows + 1] - qsl[rows]
-        ends = np.cumsum(query_lens)
-        token_idx = torch.from_numpy(
-            np.repeat(qsl[rows] - (ends - query_lens), query_lens) + np.arange(ends[-1:].sum())
-        )
-        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.from_numpy(ends)
-        row_idx = torch.from_numpy(rows)
+            query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+            query_start_loc[1:] = torch.from_numpy(ends)
+            row_idx = torch.from_numpy(rows)
         seq_lens = batch.seq_lens[row_idx]
         table = batch.block_table[row_idx]
         return AttentionBatch(

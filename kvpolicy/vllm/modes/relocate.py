@@ -199,7 +199,8 @@ class Relocate(ModeState[RelocatedRequest]):
         query_lens = qsl[index + 1] - qsl[index]
         seq_lens = batch.seq_lens.numpy()[index]
         decoding = np.flatnonzero((query_lens > 0) & (seq_lens > query_lens))
-        fast = index[decoding].tolist()
+        fast_rows = index[decoding]
+        fast = fast_rows.tolist()
         pages = list(map(held.__getitem__, fast))
         known = np.fromiter(map(len, map(_BLOCKS, pages)), dtype=np.int64, count=len(pages))
         num_blocks = shape.num_blocks(seq_lens[decoding])
@@ -207,7 +208,7 @@ class Relocate(ModeState[RelocatedRequest]):
         for count in np.unique(appended[appended > 0]).tolist():
             adding = np.flatnonzero(appended == count)
             positions = torch.from_numpy(known[adding][:, None] + np.arange(count))
-            new_blocks = batch.block_table[torch.from_numpy(np.asarray(fast)[adding])[:, None], positions]
+            new_blocks = batch.block_table[torch.from_numpy(fast_rows[adding])[:, None], positions]
             RequestPages.add_new_blocks([pages[i] for i in adding.tolist()], new_blocks.numpy().astype(np.int64))
         draft.per_head_rows.extend(fast)
         draft.per_head_pages.extend(pages)

@@ -142,6 +142,12 @@ def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
     return geometry
 
 
+def _staged_call(batch: AttentionBatch, rows: HeadRows | None):
+    """(device indices, longest sequence) of one of the staged step's per-head calls, or None."""
+    calls = TritonOps.layer_calls
+    return None if calls is None else calls.attend(batch, rows)
+
+
 def _on(device: torch.device, *tensors):
     """The step's index tensors are built on the host; kernels read them where the cache is: from the
     step's one staged copy (``TritonOps.stage``), or copied here when made after it."""
@@ -213,8 +219,7 @@ class TritonOps(KVOps):
 
     def attend(self, layer, query, out, cache, batch: AttentionBatch, rows: HeadRows | None = None):
         virtual: VirtualSequences = batch.plan
-        calls = TritonOps.layer_calls
-        known = calls.attend(batch, rows) if calls is not None else None
+        known = _staged_call(batch, rows)
         if known is not None:
             indices, longest = known
         else:
@@ -253,8 +258,7 @@ class TritonOps(KVOps):
         move_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, src, dst))
 
     def new_token_weights(self, layer, query, cache, batch, rows: HeadRows):
-        calls = TritonOps.layer_calls
-        known = calls.attend(batch, rows) if calls is not None else None
+        known = _staged_call(batch, rows)
         if known is None:
             indices = _on(cache.device, rows.token_of, rows.head_of, batch.block_table, batch.seq_lens)
         else:
