@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kvpolicy_csrc  # noqa: E402
 from benchmarks.common import RESULTS_DIR, plot_timings, write_results  # noqa: E402
 from kvpolicy.policies.h2o import attention_column_sums, new_token_attention  # noqa: E402
-from kvpolicy.policies.omnikv import context_scores  # noqa: E402
+from kvpolicy.policies.omnikv import context_scores, page_sums  # noqa: E402
 from kvpolicy.vllm.ops.cpu import cpu_geometry, one_head_pages, page_layout  # noqa: E402
 
 KV_HEADS, Q_HEADS, HEAD_SIZE, BLOCK_SIZE = 3, 9, 64, 128
@@ -114,12 +114,13 @@ def context_scores_case(rows: int, length: int) -> Case:
 
         def torch_path():
             keys = layout.page_key_blocks(one_head_pages(cache), page_ids)
-            return context_scores(query[token_idx].view(-1, Q_HEADS, 1, HEAD_SIZE), keys, lengths)
+            scores = context_scores(query[token_idx].view(-1, Q_HEADS, 1, HEAD_SIZE), keys, lengths)
+            return page_sums(scores, BLOCK_SIZE)
 
         args = (query, cache, geometry, token_idx, page_ids, lengths, SCALE)
-        return torch_path, lambda: kvpolicy_csrc.context_token_scores(*args).double(), None
+        return torch_path, lambda: kvpolicy_csrc.context_page_scores(*args), None
 
-    return Case("context_token_scores", f"OmniKV filter layer, batch {rows}, {length} tokens", setup)
+    return Case("context_page_scores", f"OmniKV filter layer, batch {rows}, {length} tokens", setup)
 
 
 def gather_case(tokens: int) -> Case:

@@ -10,9 +10,9 @@ std::vector<at::Tensor> prompt_attention(const at::Tensor& keys, const at::Tenso
 at::Tensor new_token_weights(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
                              const at::Tensor& token_of, const at::Tensor& head_of, const at::Tensor& page_table,
                              const at::Tensor& seq_lens, double scale, int64_t num_kv_heads);
-at::Tensor context_token_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
-                                const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
-                                double scale);
+at::Tensor context_page_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
+                               const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
+                               double scale);
 std::vector<at::Tensor> gather_tokens(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
                                       const at::Tensor& slots);
 at::Tensor gather_values(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_column_sums", &kvpolicy::attention_column_sums);
   m.def("prompt_attention", &kvpolicy::prompt_attention);
   m.def("new_token_weights", &kvpolicy::new_token_weights);
-  m.def("context_token_scores", &kvpolicy::context_token_scores);
+  m.def("context_page_scores", &kvpolicy::context_page_scores);
   m.def("gather_tokens", &kvpolicy::gather_tokens);
   m.def("gather_values", &kvpolicy::gather_values);
   m.def("scatter_tokens", &kvpolicy::scatter_tokens);

@@ -1,8 +1,9 @@
-// OmniKV's filter layer: each context token's score, the max over all query heads of the
-// row's last query's softmax weights, read from the row's pages in place.
+// OmniKV's filter layer: each context page's score, the sum over its tokens of the max over
+// all query heads of the row's last query's softmax weights, read from the row's pages in place.
 //
-// One task per (row, KV head) computes the max over that KV head's G query heads; the
-// row's score is then the max over its KV heads. Page top-k stays in torch
+// One task per (row, KV head) computes each token's max over that KV head's G query heads; one
+// task per row then takes each token's max over its KV heads and sums them page by page (in
+// double, as the torch reference sums). The page top-k stays in torch
 // (kvpolicy.policies.omnikv.select_pages): it works on rows x pages, not on keys.
 #include "paging.h"
 
@@ -10,21 +11,21 @@
 
 namespace kvpolicy {
 
-at::Tensor context_token_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
-                                const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
-                                double scale) {
+at::Tensor context_page_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
+                               const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
+                               double scale) {
   check_cache(cache);
   const Addressing a(addressing);
   const auto tokens = index_of(token_idx, "token_idx"), ids = index_of(page_ids, "page_ids");
   const auto counts = index_of(lengths, "lengths");
   TORCH_CHECK(ids.dim() == 3, "page_ids [rows, kv_heads, pages] expected");
   const int64_t rows = ids.size(0), kv_heads = ids.size(1), pages = ids.size(2), dim = query.size(2);
-  const int64_t group = query.size(1) / kv_heads, width = pages * a.block_size;
+  const int64_t group = query.size(1) / kv_heads, bs = a.block_size, width = pages * bs;
   TORCH_CHECK(counts.numel() == rows && tokens.numel() == rows, "one query token and one length per row expected");
   TORCH_CHECK(rows == 0 || counts.max().item<int64_t>() <= width, "a row is longer than its pages");
   auto per_head = at::zeros({rows, kv_heads, width}, at::kFloat);
   const auto q_float = query.to(at::kFloat);
-  KVPOLICY_DISPATCH(cache.scalar_type(), "context_token_scores", [&] {
+  KVPOLICY_DISPATCH(cache.scalar_type(), "context_page_scores", [&] {
     const auto* kv = cache.data_ptr<scalar_t>();
     at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q(group * dim), logits;
@@ -40,7 +41,23 @@ at::Tensor context_token_scores(const at::Tensor& query, const at::Tensor& cache
       }
     });
   });
-  return std::get<0>(per_head.max(1));
+  auto out = at::empty({rows, pages}, at::kDouble);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* heads = per_head.data_ptr<float>() + b * kv_heads * width;
+      double* page_scores = out.data_ptr<double>() + b * pages;
+      for (int64_t p = 0; p < pages; ++p) {
+        double sum = 0.0;
+        for (int64_t i = p * bs; i < (p + 1) * bs; ++i) {
+          float top = heads[i];
+          for (int64_t h = 1; h < kv_heads; ++h) top = std::max(top, heads[h * width + i]);
+          sum += top;
+        }
+        page_scores[p] = sum;
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace kvpolicy

@@ -3,7 +3,12 @@
 from .geometry import PageGeometry, flat
 from .keydiff_scores import keydiff_scores, keydiff_scores_reference
 from .new_token_weights import new_token_weights, new_token_weights_reference
-from .page_scores import context_token_scores, context_token_scores_reference
+from .page_scores import (
+    context_page_scores,
+    context_page_scores_reference,
+    context_token_scores,
+    context_token_scores_reference,
+)
 from .paged_attention import paged_attention, paged_attention_reference
 from .pod_attention import pod_attention, pod_attention_reference
 from .relocate import (
@@ -21,6 +26,8 @@ from .write_slots import write_slots, write_slots_reference
 
 __all__ = [
     "PageGeometry",
+    "context_page_scores",
+    "context_page_scores_reference",
     "context_token_scores",
     "context_token_scores_reference",
     "flat",

@@ -1,8 +1,9 @@
-"""OmniKV filter-layer token scores read straight from the pages: eq. (3)-(4) with the "last" selector.
+"""OmniKV filter-layer token and page scores read straight from the pages: eq. (3)-(4) with the "last" selector.
 
 Each (row, KV head) is one sequence of ``group_logits``; the softmax over
 each query head's logits, then the max over all query heads of the row
 (whichever KV head they read), gives the row's scores: 0 past its length.
+A page's score, what the selection ranks, is the sum of its tokens' scores.
 """
 
 from __future__ import annotations
@@ -60,3 +61,25 @@ def context_token_scores_reference(query, cache, geom, token_idx, page_ids, leng
             weights = torch.softmax(keys @ query[int(token_idx[b]), head].float() * scale, dim=0)
             out[b, :n] = torch.maximum(out[b, :n], weights)
     return out
+
+
+def context_page_scores(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    geom: PageGeometry,
+    token_idx: torch.Tensor,
+    page_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """[B, P] float64: per row, each page's summed ``context_token_scores`` (0 past its length)."""
+    rows, _, pages = page_ids.shape
+    scores = context_token_scores(query, cache, geom, token_idx, page_ids, lengths, scale)
+    return scores.double().view(rows, pages, geom.block_size).sum(dim=-1)
+
+
+def context_page_scores_reference(query, cache, geom, token_idx, page_ids, lengths, scale) -> torch.Tensor:
+    """Plain torch: ``context_token_scores_reference`` summed page by page, in float64."""
+    rows, _, pages = page_ids.shape
+    scores = context_token_scores_reference(query, cache, geom, token_idx, page_ids, lengths, scale)
+    return scores.double().view(rows, pages, geom.block_size).sum(dim=-1)

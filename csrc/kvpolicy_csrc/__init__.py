@@ -40,10 +40,11 @@ def new_token_weights(query, cache, geom, token_of, head_of, page_table, seq_len
     )
 
 
-def context_token_scores(query, cache, geom, token_idx, page_ids, lengths, scale) -> torch.Tensor:
-    """OmniKV's token scores: per row, the max over query heads of its query's softmax weights over
-    its pages, [rows, pages * block_size] float32. Reference: ``kvpolicy_triton.context_token_scores_reference``."""
-    return _C.context_token_scores(query, cache, list(geom.key_addressing()), token_idx, page_ids, lengths, scale)
+def context_page_scores(query, cache, geom, token_idx, page_ids, lengths, scale) -> torch.Tensor:
+    """OmniKV's page scores: per row, each page's sum over its tokens of the max over query heads of
+    the row's query's softmax weights, [rows, pages] float64. Reference:
+    ``kvpolicy_triton.context_page_scores_reference``."""
+    return _C.context_page_scores(query, cache, list(geom.key_addressing()), token_idx, page_ids, lengths, scale)
 
 
 def gather_tokens(cache, geom, slots) -> tuple[torch.Tensor, torch.Tensor]:

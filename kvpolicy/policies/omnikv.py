@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvpolicy.policies.base import Mode, Policy
@@ -73,36 +74,48 @@ def context_scores(
     return torch.einsum("w,bwn->bn", selector_weights(selector, window, weights.device), weights.amax(dim=1))
 
 
-def select_pages(
-    scores: torch.Tensor, lengths: torch.Tensor, page_size: int, budgets: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, the page indices its sparse layers attend to, ascending: ``(chosen, counts)``.
-
-    ``scores``: [batch, n] token scores (0 past ``lengths``). Row ``r`` keeps the
-    best ``ceil(budgets[r] / page_size)`` pages by summed score, always including
-    the last (current) page; every page when they are not more than that.
-    ``chosen`` [batch, most kept] holds row ``r``'s pages in its first
-    ``counts[r]`` entries, then zeros. One top-k for the whole batch, no loop
-    over rows; the widest row's count is read on the host (it sizes ``chosen``).
-    """
-    device = scores.device
+def page_sums(scores: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[batch, pages]: each page's summed token scores, ``scores`` [batch, n] (0 past each row's length)."""
     rows, n = scores.shape
     padded = scores.new_zeros(rows, -(-n // page_size) * page_size)
     padded[:, :n] = scores
-    page_scores = padded.view(rows, -1, page_size).sum(dim=-1)
-    num_pages = -(-lengths.to(device) // page_size)
-    counts = torch.minimum(-(-torch.tensor(budgets, device=device) // page_size), num_pages)
-    width = int(counts.max())
-    index = torch.arange(page_scores.shape[1], device=device)
-    # The current page is always kept; the others compete, pages past the row's last never.
-    candidates = page_scores.masked_fill(index[None, :] >= num_pages[:, None] - 1, float("-inf"))
-    ranked = candidates.topk(max(width - 1, 0), dim=1).indices
-    kept = torch.arange(ranked.shape[1], device=device)[None, :] < counts[:, None] - 1
-    # Past a row's count, a value above every page sorts last; the current page sorts after the chosen ones.
-    beyond = page_scores.shape[1]
-    chosen = torch.cat([ranked.masked_fill(~kept, beyond), (num_pages - 1)[:, None]], dim=1).sort(dim=1).values
-    past = torch.arange(width, device=device)[None, :] >= counts[:, None]
-    return chosen.masked_fill(past, 0), counts
+    return padded.view(rows, -1, page_size).sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class PageChoice:
+    """OmniKV's page choice for a batch of sequences, all of it that the scores do not decide: made once
+    per step on the host (numpy), then ``choose`` in every filter layer.
+
+    Row ``r`` of ``lengths`` tokens keeps the best ``counts[r] = ceil(budgets[r] / page_size)``
+    of its ``num_pages[r]`` pages, always including the last (current) one; every page when
+    they are not more than that. On the host because the choice sizes the sparse layers'
+    call, which the host builds, and a few dozen pages per row are less work than device ops.
+    """
+
+    num_pages: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def of(cls, lengths: np.ndarray, page_size: int, budgets: list[int]) -> PageChoice:
+        num_pages = -(-np.asarray(lengths, dtype=np.int64) // page_size)
+        counts = np.minimum(-(-np.asarray(budgets, dtype=np.int64) // page_size), num_pages)
+        return cls(num_pages, counts)
+
+    def choose(self, page_scores: np.ndarray) -> np.ndarray:
+        """Each row's kept page indices, ascending, in its first ``counts[r]`` entries, then zeros,
+        [rows, most kept]; ``page_scores`` [rows, pages]: summed token scores (``page_sums``). Among
+        equal scores the lower page wins."""
+        num_pages, counts = self.num_pages, self.counts
+        width = int(counts.max())
+        # The current page is always kept; the others compete, pages past the row's last never.
+        candidates = np.where(np.arange(page_scores.shape[1]) >= num_pages[:, None] - 1, -np.inf, page_scores)
+        ranked = np.argsort(-candidates, axis=1, kind="stable")[:, : max(width - 1, 0)]
+        # Past a row's count, a value above every page sorts last; the current page sorts after the chosen ones.
+        ranked[np.arange(ranked.shape[1]) >= counts[:, None] - 1] = page_scores.shape[1]
+        chosen = np.sort(np.concatenate([ranked, (num_pages - 1)[:, None]], axis=1), axis=1)
+        chosen[np.arange(width) >= counts[:, None]] = 0
+        return chosen
 
 
 @dataclass(frozen=True)

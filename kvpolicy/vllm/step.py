@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpolicy.paging import (
@@ -28,6 +29,7 @@ from kvpolicy.paging import (
     SharedPages,
 )
 from kvpolicy.policies import Policy
+from kvpolicy.policies.omnikv import PageChoice
 
 #: ``plan(query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv)``: the ops' own
 #: preparation of one attention call (vLLM's scheduler metadata on CPU, virtual-token arrays for Triton).
@@ -42,7 +44,9 @@ class AttentionBatch:
 
     ``kv_heads`` is the model's KV head count for rows in vLLM's own layout
     (``block_table`` holds vLLM block ids), 1 for one-head virtual sequences
-    (``block_table`` holds one-head page ids ``b*H + h``).
+    (``block_table`` holds one-head page ids ``b*H + h``). ``in_order``: its rows are the batch's
+    first ``len(token_idx)`` tokens, in order (OmniKV's sparse call in a decode step whose every
+    row selects), so the CPU ops read ``query`` and write ``out`` in place, without a gather.
     """
 
     token_idx: torch.Tensor
@@ -51,6 +55,7 @@ class AttentionBatch:
     block_table: torch.Tensor
     kv_heads: int
     plan: Any
+    in_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,17 +159,23 @@ class WindowStash:
 class ContextSelection:
     """OmniKV's decode rows of a step: filter layers select their pages, the layers after them attend to those.
 
-    ``token_idx``: the rows' query tokens (one each); ``seq_lens`` and
-    ``block_table``: their whole context in vLLM's blocks; ``budgets``: tokens
-    a sparse layer attends to, per row. ``selected`` fills as the step runs:
-    filter layer -> the sparse layers' one call (the step's stock rows over all
-    their pages, then these over their selected ones). ``plan``: the ops' planner for that call.
+    ``token_idx``: the rows' query tokens (one each); ``lengths``: their context
+    lengths (int64); ``table``: the vLLM blocks that hold it, [rows, pages] on the
+    host (the choice gathers from it); ``page_ids``: those blocks as one-head pages,
+    [rows, kv_heads, pages], what the filter layers score; ``choice``: how many
+    pages each row keeps (its budget), ``seq_lens`` the tokens they hold (int32).
+    All made once per step, for every filter layer. ``selected`` fills as the step
+    runs: filter layer -> the sparse layers' one call (the step's stock rows over
+    all their pages, then these over their selected ones). ``plan``: the ops'
+    planner for that call.
     """
 
     token_idx: torch.Tensor
+    lengths: torch.Tensor
+    table: np.ndarray
+    page_ids: torch.Tensor
+    choice: PageChoice
     seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    budgets: list[int]
     plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
     selected: dict[int, AttentionBatch] = field(default_factory=dict)
 
@@ -188,7 +199,7 @@ class OffloadedBatch:
     flushes: list[PageCopies]
     full: dict[int, AttentionBatch]
     plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
-    chosen: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    chosen: dict[int, list[np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass

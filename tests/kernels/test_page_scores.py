@@ -1,17 +1,18 @@
-"""context_token_scores against its reference and kvpolicy's OmniKV context_scores (window 1, "last")."""
+"""context_page_scores against its reference and kvpolicy's OmniKV context_scores (window 1, "last") summed by page."""
 
 import math
 
 import pytest
 import torch
 
-from kvpolicy.policies.omnikv import context_scores
-from kvpolicy_triton import context_token_scores_reference, flat
+from kvpolicy.policies.omnikv import context_scores, page_sums
+from kvpolicy_triton import context_page_scores_reference, flat
 from tests.kernels.paging import DEVICE, DTYPES, IMPLEMENTATIONS, LAYOUTS, index, make_cache, shuffled_pages
 
 LENGTHS = [17, 1, 40, 8]
 QUERY_HEADS, HEAD_SIZE = 6, 32
-# Float32 logits from the same inputs on both sides, summed in different orders; weights are <= 1.
+# Float32 logits from the same inputs on both sides, summed in different orders; weights are <= 1,
+# a page's score the sum of at most block_size of them.
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 
 
@@ -19,7 +20,7 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kv_heads", [3, 2], ids=["G2", "G3"])
 @pytest.mark.parametrize("ops", list(IMPLEMENTATIONS))
-def test_context_token_scores(ops, dtype, layout, kv_heads):
+def test_context_page_scores(ops, dtype, layout, kv_heads):
     bs = LAYOUTS[layout]
     rows = len(LENGTHS)
     pages = -(-max(LENGTHS) // bs) + 1
@@ -31,9 +32,9 @@ def test_context_token_scores(ops, dtype, layout, kv_heads):
     lengths = index(LENGTHS, torch.int64)
     args = (query, cache, geom, token_idx, index(page_ids), lengths, 1 / math.sqrt(HEAD_SIZE))
 
-    got = IMPLEMENTATIONS[ops].context_token_scores(*args)
-    assert got.dtype == torch.float32 and got.shape == (rows, pages * bs)
-    torch.testing.assert_close(got, context_token_scores_reference(*args), **TOLERANCE)
+    got = IMPLEMENTATIONS[ops].context_page_scores(*args)
+    assert got.dtype == torch.float64 and got.shape == (rows, pages)
+    torch.testing.assert_close(got, context_page_scores_reference(*args), **TOLERANCE)
 
     # OmniKV multiplies in the keys' dtype; given float32 keys it is the same math as the kernel.
     width = torch.arange(pages * bs)
@@ -41,15 +42,16 @@ def test_context_token_scores(ops, dtype, layout, kv_heads):
     keys = flat(cache)[geom.element_index(slots.flatten().to(DEVICE))].view(rows, kv_heads, pages * bs, HEAD_SIZE)
     queries = query[token_idx.long()][:, :, None, :]
     omnikv = context_scores(queries.cpu().float(), keys.cpu().float(), lengths.cpu(), "last")
-    torch.testing.assert_close(got.cpu().double(), omnikv, **TOLERANCE)
+    torch.testing.assert_close(got.cpu(), page_sums(omnikv, bs), **TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("query_heads", [6, 10], ids=["G3", "G5"])
 @pytest.mark.parametrize("ops", list(IMPLEMENTATIONS))
-def test_context_token_scores_on_vllm_cpu_pages(ops, dtype, query_heads):
-    """vLLM's CPU pages (K transposed, 128 tokens): the C++ op reads them in tiles of 64 tokens and up
-    to 4 query heads; lengths end inside a tile, on a tile's edge and on a page's."""
+def test_context_page_scores_on_vllm_cpu_pages(ops, dtype, query_heads):
+    """vLLM's CPU pages (K transposed, 128 tokens): the C++ op reads them in register tiles of up to 4
+    query heads (128 tokens for up to 3 heads with AVX-512, else 64); lengths end inside a tile, on a
+    64-token tile's edge and on a page's."""
     kv_heads, bs, lengths = 2, 128, [300, 128, 70, 1, 64]
     rows, pages = len(lengths), 3
     cache, geom = make_cache("k_transposed", rows * pages, kv_heads, HEAD_SIZE, dtype, block_size=bs)
@@ -58,5 +60,5 @@ def test_context_token_scores_on_vllm_cpu_pages(ops, dtype, query_heads):
     query = (2 * torch.randn(rows, query_heads, HEAD_SIZE, generator=generator)).to(DEVICE, dtype)
     args = (query, cache, geom, index(range(rows)), index(page_ids), index(lengths, torch.int64), HEAD_SIZE**-0.5)
 
-    got = IMPLEMENTATIONS[ops].context_token_scores(*args)
-    torch.testing.assert_close(got, context_token_scores_reference(*args), **TOLERANCE)
+    got = IMPLEMENTATIONS[ops].context_page_scores(*args)
+    torch.testing.assert_close(got, context_page_scores_reference(*args), **TOLERANCE)

@@ -16,7 +16,7 @@ import torch
 from kvpolicy.policies import CompressedKV, PromptKV, make_policy
 from kvpolicy.policies.h2o import add_new_token, attention_column_sums, new_token_attention
 from kvpolicy.policies.keydiff import keydiff_block_step
-from kvpolicy.policies.omnikv import SELECTORS, context_scores, select_pages
+from kvpolicy.policies.omnikv import SELECTORS, context_scores, page_sums
 from kvpolicy.policies.pod import shared_attention
 
 H, G, D, L = 3, 3, 16, 150
@@ -128,13 +128,13 @@ def test_keydiff_block_steps_stay_on_the_inputs_device(prompt):
 
 
 @pytest.mark.parametrize("selector", SELECTORS)
-def test_omnikv_context_scores_and_pages_stay_on_the_inputs_device(selector):
+def test_omnikv_context_and_page_scores_stay_on_the_inputs_device(selector):
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(2, H, 4, 32, D, generator=gen)
     queries = torch.randn(2, H * G, 4, D, generator=gen)
     lengths = torch.tensor([128, 90])
     scores = on_meta_default(lambda: context_scores(queries, keys, lengths, selector))
-    on_meta_default(lambda: select_pages(scores, lengths, 32, [64, 200]))
+    on_meta_default(lambda: page_sums(scores, 32))
 
 
 def test_pod_shared_attention_stays_on_the_inputs_device():

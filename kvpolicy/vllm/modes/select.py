@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvpolicy.paging import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies
-from kvpolicy.policies.omnikv import select_pages
+from kvpolicy.policies.omnikv import PageChoice
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WORKER_STATE, BlockRelease
@@ -108,13 +108,21 @@ class Select(ModeState[OffloadedRequest]):
 
     @staticmethod
     def _context(selected: list[tuple[Row, int]], batch: HostBatch, shape: StepShape) -> ContextSelection:
-        rows = [row.index for row, _ in selected]
-        row_idx = torch.tensor(rows, dtype=torch.int64)
+        rows = np.array([row.index for row, _ in selected])
+        lengths = np.array([row.seq_len for row, _ in selected], dtype=np.int64)
+        table = batch.block_table.numpy()[rows, : int(shape.num_blocks(lengths.max()))]
+        heads = shape.num_kv_heads
+        page_ids = table.astype(np.int64)[:, None, :] * heads + np.arange(heads)[None, :, None]
+        choice = PageChoice.of(lengths, shape.block_size, [budget for _, budget in selected])
+        # Every page but the current (last) one is full: the pages left out take whole blocks of tokens.
+        kept_tokens = lengths - (choice.num_pages - choice.counts) * shape.block_size
         return ContextSelection(
             token_idx=torch.from_numpy(batch.query_start_loc[rows].astype(np.int64)),
-            seq_lens=batch.seq_lens[row_idx],
-            block_table=batch.block_table[row_idx],
-            budgets=[budget for _, budget in selected],
+            lengths=torch.from_numpy(lengths),
+            table=table,
+            page_ids=torch.from_numpy(page_ids),
+            choice=choice,
+            seq_lens=torch.from_numpy(kept_tokens.astype(np.int32)),
             plan=shape.rows_plan,
         )
 
@@ -239,32 +247,26 @@ class SelectionPath:
         if step.offloads and layer_idx == len(step.sources) - 1:
             _move_offloads(pages, step.offloads)
 
-    def _choose_pages(self, layer, query, cache, page_ids, token_idx, lengths, budgets):
-        """Eq. (3)-(4) and the page choice for decode rows, ``page_ids`` [rows, kv_heads, pages] in ``cache``:
-        ``select_pages``' (chosen, counts), for the whole batch at once."""
-        block_size = cache.shape[2]
-        scores = self.ops.context_scores(layer, query, cache, page_ids, token_idx, lengths).cpu()
-        chosen, counts = select_pages(scores, lengths, block_size, budgets)
-        WORKER_STATE.counters["context_pages"] += int((-(-lengths // block_size)).sum())
-        WORKER_STATE.counters["selected_pages"] += int(counts.sum())
-        return chosen, counts
+    def _choose_pages(self, layer, query, cache, page_ids, token_idx, lengths, choice: PageChoice) -> np.ndarray:
+        """Eq. (3)-(4) and the page choice for decode rows, ``page_ids`` [rows, kv_heads, pages] in ``cache``
+        and ``lengths`` int64: ``choice.choose``'s pages, for the whole batch at once, on the host."""
+        scores = self.ops.context_page_scores(layer, query, cache, page_ids, token_idx, lengths)
+        WORKER_STATE.counters["context_pages"] += int(choice.num_pages.sum())
+        WORKER_STATE.counters["selected_pages"] += int(choice.counts.sum())
+        return choice.choose(scores.cpu().numpy())
 
     def _select(self, layer, query, kv_cache, context: ContextSelection, stock: AttentionBatch) -> AttentionBatch:
         """Score each decode row's context with its last token (eq. 3-4) and build the sparse layers' call:
         ``stock``'s rows over all their pages, then the decode rows over their selected pages."""
-        heads, block_size = kv_cache.shape[1:3]
-        lengths = context.seq_lens.long()
-        num_pages = -(-lengths // block_size)
-        table = context.block_table[:, : int(num_pages.max())]
-        page_ids = table.long()[:, None, :] * heads + torch.arange(heads)[None, :, None]
-        chosen, counts = self._choose_pages(
-            layer, query, kv_cache, page_ids, context.token_idx, lengths, context.budgets
+        heads = kv_cache.shape[1]
+        choice = context.choice
+        chosen = self._choose_pages(
+            layer, query, kv_cache, context.page_ids, context.token_idx, context.lengths, choice
         )
-        in_row = torch.arange(chosen.shape[1])[None, :] < counts[:, None]
-        block_table = table.gather(1, chosen).masked_fill(~in_row, 0)
-        # Every page but the current (last) one is full: drop the tokens of the pages left out.
-        seq_lens = (lengths - (num_pages - counts) * block_size).to(context.seq_lens.dtype)
-        token_idx, query_start_loc = context.token_idx, torch.arange(len(counts) + 1, dtype=torch.int32)
+        in_row = np.arange(chosen.shape[1]) < choice.counts[:, None]
+        block_table = torch.from_numpy(np.where(in_row, np.take_along_axis(context.table, chosen, axis=1), 0))
+        seq_lens, token_idx = context.seq_lens, context.token_idx
+        query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
         if stock.token_idx.numel():
             width = max(stock.block_table.shape[1], block_table.shape[1])
             block_table = torch.cat([pad_columns(stock.block_table, width), pad_columns(block_table, width)])
@@ -272,17 +274,17 @@ class SelectionPath:
             token_idx = torch.cat([stock.token_idx, token_idx])
             query_start_loc = torch.cat([stock.query_start_loc, stock.query_start_loc[-1] + query_start_loc[1:]])
         plan = context.plan(query_start_loc, seq_lens, block_table)
-        return AttentionBatch(token_idx, query_start_loc, seq_lens, block_table, heads, plan)
+        in_order = bool(np.array_equal(token_idx.numpy(), np.arange(len(token_idx))))
+        return AttentionBatch(token_idx, query_start_loc, seq_lens, block_table, heads, plan, in_order)
 
-    def _select_offloaded(self, layer, query, pages, layer_idx: int, offloaded: OffloadedBatch) -> list[torch.Tensor]:
+    def _select_offloaded(self, layer, query, pages, layer_idx: int, offloaded: OffloadedBatch) -> list[np.ndarray]:
         """The filter layer's choice for offloaded rows, from its keys in the request's own pages."""
         batch = offloaded.full[layer_idx]
         page_ids = batch.block_table.long().view(len(offloaded.requests), -1, batch.block_table.shape[1])
         lengths = torch.tensor([request.length for request in offloaded.requests])
-        chosen, counts = self._choose_pages(
-            layer, query, pages, page_ids, offloaded.token_idx, lengths, offloaded.budgets
-        )
-        return [row[:count] for row, count in zip(chosen, counts.tolist())]
+        choice = PageChoice.of(lengths.numpy(), pages.shape[2], offloaded.budgets)
+        chosen = self._choose_pages(layer, query, pages, page_ids, offloaded.token_idx, lengths, choice)
+        return [row[:count] for row, count in zip(chosen, choice.counts.tolist())]
 
     def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:
         """Copy a sparse layer's selected pages from the host pool into staging; the call that reads them."""

@@ -91,10 +91,10 @@ class KVOps(ABC):
         sequence (its query heads averaged), [sequences, n] float64, 0 past each length."""
 
     @abstractmethod
-    def context_scores(self, layer, query, cache, page_ids, token_idx, lengths) -> torch.Tensor:
+    def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths) -> torch.Tensor:
         """OmniKV's eq. (3)-(4), last-token selector: per row, each context token's attention weight
-        from the row's last query (max over query heads), [rows, pages * block_size]; ``page_ids``
-        [rows, kv_heads, pages] in ``cache``, ``token_idx`` the rows' query tokens."""
+        from the row's last query (max over query heads), summed page by page, [rows, pages] float64;
+        ``page_ids`` [rows, kv_heads, pages] in ``cache``, ``token_idx`` the rows' query tokens."""
 
     def pod_attention(self, layer, query, out, cache, call: SharedAttention) -> torch.Tensor:
         """PoD's decode attention (eq. 3-4) of ``call``'s sequences into ``out`` [T, q_heads, D], over ``cache``

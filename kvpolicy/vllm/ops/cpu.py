@@ -20,7 +20,7 @@ import torch
 from kvpolicy.paging import PageLayout
 from kvpolicy.paging.page_table import page_slots
 from kvpolicy.policies.h2o import new_token_attention
-from kvpolicy.policies.omnikv import context_scores
+from kvpolicy.policies.omnikv import context_scores, page_sums
 from kvpolicy.policies.pod import attend_shared, proximal_logits
 from kvpolicy.vllm.internals import envs, ops
 from kvpolicy.vllm.ops.base import KVOps
@@ -204,11 +204,16 @@ class CPUOps(KVOps):
 
     def attend(self, layer, query, out, cache, batch, rows=None):
         if batch.kv_heads > 1:
-            if batch.token_idx.numel():
-                views = self.views(layer, cache)
-                rows_out = torch.empty_like(query[batch.token_idx])
-                self._call(layer, query[batch.token_idx], rows_out, views.key, views.value, batch)
-                out[batch.token_idx] = rows_out
+            count = batch.token_idx.numel()
+            if not count:
+                return
+            views = self.views(layer, cache)
+            if batch.in_order:
+                self._call(layer, query[:count], out[:count], views.key, views.value, batch)
+                return
+            rows_out = torch.empty_like(query[batch.token_idx])
+            self._call(layer, query[batch.token_idx], rows_out, views.key, views.value, batch)
+            out[batch.token_idx] = rows_out
             return
         impl = self.impl
         views = self.views(layer, cache)
@@ -320,13 +325,11 @@ class CPUOps(KVOps):
         row_shape = (impl.num_queries_per_kv, impl.head_size)
         return new_token_attention(keys, lengths, by_head(query, rows, impl.num_kv_heads, row_shape))
 
-    def context_scores(self, layer, query, cache, page_ids, token_idx, lengths):
+    def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths):
         impl = self.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
-            return kvpolicy_csrc.context_token_scores(
-                query, cache, geometry, token_idx, page_ids, lengths, impl.scale
-            ).double()
+            return kvpolicy_csrc.context_page_scores(query, cache, geometry, token_idx, page_ids, lengths, impl.scale)
         keys = cache_layout(layer, cache).page_key_blocks(self.views(layer, cache).one_head, page_ids)
         queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
-        return context_scores(queries, keys, lengths)
+        return page_sums(context_scores(queries, keys, lengths), cache.shape[2])

@@ -21,7 +21,7 @@ from kvpolicy.vllm.ops.staging import StagedStep, TableMirror, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
     PageGeometry,
-    context_token_scores,
+    context_page_scores,
     gather_tokens,
     gather_values,
     move_tokens,
@@ -267,9 +267,9 @@ class TritonOps(KVOps):
         geometry = cache_geometry(layer, cache)
         return new_token_weights(query, cache, geometry, *indices, self.impl.scale, self.impl.num_kv_heads).double()
 
-    def context_scores(self, layer, query, cache, page_ids, token_idx, lengths):
+    def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths):
         indices = _on(cache.device, token_idx, page_ids, lengths)
-        return context_token_scores(query, cache, cache_geometry(layer, cache), *indices, self.impl.scale).double()
+        return context_page_scores(query, cache, cache_geometry(layer, cache), *indices, self.impl.scale)
 
     def pod_attention(self, layer, query, out, cache, call):
         indices = _on(cache.device, *call.indices())
