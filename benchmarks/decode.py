@@ -1,6 +1,7 @@
 """Long-context decode speed and needle answers: full attention against OmniKV's sparse layers.
 
     python benchmarks/decode.py --quick   # contexts 4K and 7.6K, budget 1024 (and 256 tokens, for the bound)
+    python benchmarks/decode.py --quick --no-offload --rounds 5   # each configuration timed 5 times, in rotation
     python benchmarks/decode.py           # contexts 2K, 4K and 7.6K, budgets 512 and 1024
     python benchmarks/decode.py --quick --filter-layers 2 --out benchmarks/results/decode_one_filter.json
 
@@ -20,7 +21,12 @@ Per configuration: ``STEPS`` decode steps with all four requests running
 (batch 4), then three are aborted and the fourth runs ``STEPS`` more
 (batch 1). ``ms_per_token``: median wall time of those steps (each request
 gets one token per step; the median, because this shared machine's step
-times jump by tens of percent between runs); ``decode_tokens_per_s``: batch / that.
+times jump by tens of percent between runs); ``decode_tokens_per_s``: batch / that. With ``--rounds N`` the cached
+engine times every configuration N times, in rotation (each round goes through
+them all), and ``ms_per_token`` is the median of the N rounds' medians
+(``ms_per_token_rounds``: each round's): step times on this shared machine
+drift by tens of percent from one minute to the next, and in rotation a drift
+falls on every configuration alike instead of on the ones timed during it.
 ``needle_correct``: the fraction of the four whose first 12 tokens hold their
 key; ``same_answers``: the fraction whose first 12 tokens equal the full
 cache's (the answers themselves are in the JSON); ``blocks_held``: vLLM KV
@@ -194,21 +200,34 @@ def run_engine(args) -> dict:
     grid = [(context, budget) for context in args.contexts for budget in budgets]
     if not offload and SHORT_CONTEXT not in args.contexts:
         grid.insert(0, (SHORT_CONTEXT, None))
-    for context, budget in tqdm(grid, desc=f"{args.engine} engine", unit="config"):
+    rounds = 1 if offload else args.rounds
+    timings: dict[tuple[int, int | None], list[list[dict]]] = {config: [] for config in grid}
+    answers = {}
+    for round_index, (context, budget) in enumerate(
+        tqdm([config for _ in range(rounds) for config in grid], desc=f"{args.engine} engine", unit="config")
+    ):
         prompts = passkey_prompts(tokenizer, DEPTHS, context, ANSWER_QUESTION)
-        timing, texts = decode(llm, prompts, budget or MAX_MODEL_LEN, f"{context}-{budget}")
-        answers = first_answers(tokenizer, texts)
-        needle = sum(item["key"] in answer for item, answer in zip(prompts, answers)) / len(prompts)
+        timing, texts = decode(llm, prompts, budget or MAX_MODEL_LEN, f"{context}-{budget}-{round_index}")
+        timings[context, budget].append(timing)
+        answers.setdefault((context, budget), (prompts, first_answers(tokenizer, texts)))
+    for (context, budget), runs in timings.items():
+        prompts, first = answers[context, budget]
+        needle = sum(item["key"] in answer for item, answer in zip(prompts, first)) / len(prompts)
         policy = OFFLOAD if offload else "omnikv" if budget else "full cache"
-        for row in timing:
+        for batch_runs in zip(*runs):
+            each = [run["ms_per_token"] for run in batch_runs]
+            ms = statistics.median(each)
             rows.append(
                 {
                     "policy": policy,
                     "budget": budget,
                     "context": context,
-                    **row,
+                    **batch_runs[-1],
+                    "ms_per_token": ms,
+                    "decode_tokens_per_s": 1000 * batch_runs[-1]["batch"] / ms,
+                    "ms_per_token_rounds": each,
                     "needle_correct": needle,
-                    "answers": answers,
+                    "answers": first,
                 }
             )
     config = llm.llm_engine.vllm_config
@@ -245,6 +264,9 @@ def main() -> int:
         "--filter-layers", default=None, help="omnikv filter layers, e.g. 2 (default: the calibrated ones)"
     )
     parser.add_argument("--no-offload", action="store_true", help="skip the --kv-offload engine")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="time each cached-engine configuration this many times, in rotation"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "decode.json")
     parser.add_argument("--engine", choices=("cached", "offload"), help=argparse.SUPPRESS)
     parser.add_argument("--engine-out", type=Path, help=argparse.SUPPRESS)
@@ -269,6 +291,8 @@ def main() -> int:
             *map(str, args.contexts),
             "--budgets",
             *map(str, args.budgets),
+            "--rounds",
+            str(args.rounds),
         ]
         if args.filter_layers:
             cmd += ["--filter-layers", args.filter_layers]
@@ -290,6 +314,7 @@ def main() -> int:
         "budgets": args.budgets,
         "depths": DEPTHS,
         "steps": STEPS,
+        "rounds": args.rounds,
         "quick": args.quick,
         "host_gib": None if args.no_offload else HOST_GIB,
         **settings,
