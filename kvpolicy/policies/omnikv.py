@@ -95,26 +95,26 @@ class PageChoice:
 
     num_pages: np.ndarray
     counts: np.ndarray
+    kept: np.ndarray  # [rows, most kept]: entry j of row r holds a page (j < counts[r])
 
     @classmethod
     def of(cls, lengths: np.ndarray, page_size: int, budgets: list[int]) -> PageChoice:
         num_pages = -(-np.asarray(lengths, dtype=np.int64) // page_size)
         counts = np.minimum(-(-np.asarray(budgets, dtype=np.int64) // page_size), num_pages)
-        return cls(num_pages, counts)
+        return cls(num_pages, counts, np.arange(counts.max()) < counts[:, None])
 
     def choose(self, page_scores: np.ndarray) -> np.ndarray:
         """Each row's kept page indices, ascending, in its first ``counts[r]`` entries, then zeros,
         [rows, most kept]; ``page_scores`` [rows, pages]: summed token scores (``page_sums``). Among
         equal scores the lower page wins."""
-        num_pages, counts = self.num_pages, self.counts
-        width = int(counts.max())
+        last = self.num_pages - 1
         # The current page is always kept; the others compete, pages past the row's last never.
-        candidates = np.where(np.arange(page_scores.shape[1]) >= num_pages[:, None] - 1, -np.inf, page_scores)
-        ranked = np.argsort(-candidates, axis=1, kind="stable")[:, : max(width - 1, 0)]
+        candidates = np.where(np.arange(page_scores.shape[1]) >= last[:, None], -np.inf, page_scores)
+        ranked = np.argsort(-candidates, axis=1, kind="stable")[:, : self.kept.shape[1] - 1]
         # Past a row's count, a value above every page sorts last; the current page sorts after the chosen ones.
-        ranked[np.arange(ranked.shape[1]) >= counts[:, None] - 1] = page_scores.shape[1]
-        chosen = np.sort(np.concatenate([ranked, (num_pages - 1)[:, None]], axis=1), axis=1)
-        chosen[np.arange(width) >= counts[:, None]] = 0
+        ranked[~self.kept[:, 1:]] = page_scores.shape[1]
+        chosen = np.sort(np.concatenate([ranked, last[:, None]], axis=1), axis=1)
+        chosen[~self.kept] = 0
         return chosen
 
 

@@ -263,8 +263,7 @@ class SelectionPath:
         chosen = self._choose_pages(
             layer, query, kv_cache, context.page_ids, context.token_idx, context.lengths, choice
         )
-        in_row = np.arange(chosen.shape[1]) < choice.counts[:, None]
-        block_table = torch.from_numpy(np.where(in_row, np.take_along_axis(context.table, chosen, axis=1), 0))
+        block_table = torch.from_numpy(np.where(choice.kept, np.take_along_axis(context.table, chosen, axis=1), 0))
         seq_lens, token_idx = context.seq_lens, context.token_idx
         query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
         if stock.token_idx.numel():
