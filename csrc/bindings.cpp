@@ -13,6 +13,9 @@ at::Tensor new_token_weights(const at::Tensor& query, const at::Tensor& cache, c
 at::Tensor context_page_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
                                const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
                                double scale);
+at::Tensor context_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor& cache,
+                             const std::vector<int64_t>& addressing, const at::Tensor& token_idx,
+                             const at::Tensor& page_ids, const at::Tensor& lengths, double scale);
 std::vector<at::Tensor> gather_tokens(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
                                       const at::Tensor& slots);
 at::Tensor gather_values(const at::Tensor& cache, const std::vector<int64_t>& addressing, int64_t dim,
@@ -34,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prompt_attention", &kvpolicy::prompt_attention);
   m.def("new_token_weights", &kvpolicy::new_token_weights);
   m.def("context_page_scores", &kvpolicy::context_page_scores);
+  m.def("context_attention", &kvpolicy::context_attention);
   m.def("gather_tokens", &kvpolicy::gather_tokens);
   m.def("gather_values", &kvpolicy::gather_values);
   m.def("scatter_tokens", &kvpolicy::scatter_tokens);

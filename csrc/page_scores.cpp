@@ -1,21 +1,24 @@
 // OmniKV's filter layer: each context page's score, the sum over its tokens of the max over
-// all query heads of the row's last query's softmax weights, read from the row's pages in place.
+// all query heads of the row's last query's softmax weights, read from the row's pages in place;
+// with context_attention, also the attention output those weights make with the values, so a
+// filter layer reads its keys once for both (vLLM's kernel returns no weights).
 //
-// One task per (row, KV head) computes each token's max over that KV head's G query heads; one
-// task per row then takes each token's max over its KV heads and sums them page by page (in
-// double, as the torch reference sums). The page top-k stays in torch
-// (kvpolicy.policies.omnikv.select_pages): it works on rows x pages, not on keys.
+// One task per (row, KV head) computes each token's max over that KV head's G query heads (and
+// its G output rows); one task per row then takes each token's max over its KV heads and sums
+// them page by page (in double, as the torch reference sums). The page choice stays on the host
+// (kvpolicy.policies.omnikv.PageChoice): it works on rows x pages, not on keys.
 #include "paging.h"
 
 #include <ATen/Parallel.h>
 
 namespace kvpolicy {
+namespace {
 
-at::Tensor context_page_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
-                               const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
-                               double scale) {
+// The page scores [rows, pages] float64; with `result` ([rows, kv_heads * G, dim] float32), the
+// attention output of each row's query heads too.
+at::Tensor score_pages(const at::Tensor& query, const at::Tensor& cache, const Addressing& a, const at::Tensor& token_idx,
+                       const at::Tensor& page_ids, const at::Tensor& lengths, double scale, float* result) {
   check_cache(cache);
-  const Addressing a(addressing);
   const auto tokens = index_of(token_idx, "token_idx"), ids = index_of(page_ids, "page_ids");
   const auto counts = index_of(lengths, "lengths");
   TORCH_CHECK(ids.dim() == 3, "page_ids [rows, kv_heads, pages] expected");
@@ -31,10 +34,16 @@ at::Tensor context_page_scores(const at::Tensor& query, const at::Tensor& cache,
       std::vector<float> q(group * dim), logits;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / kv_heads, h = task % kv_heads, n = counts.data_ptr<int64_t>()[b];
+        const int64_t* row_pages = ids.data_ptr<int64_t>() + task * pages;
         scaled_query(q_float, tokens.data_ptr<int64_t>()[b], h * group, group, scale, q.data());
         logits.resize(group * n);
-        sequence_logits(kv, a, ids.data_ptr<int64_t>() + task * pages, n, q.data(), group, dim, logits.data());
+        sequence_logits(kv, a, row_pages, n, q.data(), group, dim, logits.data());
         softmax_rows(logits.data(), group, n);
+        if (result != nullptr) {
+          float* acc = result + task * group * dim;
+          std::fill(acc, acc + group * dim, 0.0f);
+          sequence_values(kv, a, row_pages, n, logits.data(), group, dim, acc);
+        }
         float* best = per_head.data_ptr<float>() + task * width;
         for (int64_t g = 0; g < group; ++g)
           for (int64_t i = 0; i < n; ++i) best[i] = std::max(best[i], logits[g * n + i]);
@@ -58,6 +67,25 @@ at::Tensor context_page_scores(const at::Tensor& query, const at::Tensor& cache,
     }
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor context_page_scores(const at::Tensor& query, const at::Tensor& cache, const std::vector<int64_t>& addressing,
+                               const at::Tensor& token_idx, const at::Tensor& page_ids, const at::Tensor& lengths,
+                               double scale) {
+  return score_pages(query, cache, Addressing(addressing), token_idx, page_ids, lengths, scale, nullptr);
+}
+
+at::Tensor context_attention(const at::Tensor& query, at::Tensor& out, const at::Tensor& cache,
+                             const std::vector<int64_t>& addressing, const at::Tensor& token_idx,
+                             const at::Tensor& page_ids, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(addressing.size() == 10, "context_attention reads K and V (10 addressing ints)");
+  auto result = at::empty({token_idx.numel(), query.size(1), query.size(2)}, at::kFloat);
+  auto scores = score_pages(query, cache, Addressing(addressing), token_idx, page_ids, lengths, scale,
+                            result.data_ptr<float>());
+  out.index_put_({index_of(token_idx, "token_idx")}, result.to(out.scalar_type()));
+  return scores;
 }
 
 }  // namespace kvpolicy

@@ -150,6 +150,101 @@ void sequence_logits(const scalar_t* cache, const Addressing& a, const int64_t* 
   }
 }
 
+// acc[g * dim + d] += sum_t w[g * w_stride + t] * x(t, d) for g < group, t < count, where x(t, d) lies at
+// rows[t * token_stride + d * dim_stride]: tokens innermost when they are adjacent (a K half of vLLM's CPU
+// vec page), dims innermost otherwise.
+template <typename scalar_t>
+inline void add_weighted_rows(const scalar_t* rows, int64_t token_stride, int64_t dim_stride, int64_t count,
+                              const float* w, int64_t w_stride, int64_t group, int64_t dim, float* acc) {
+  if (token_stride == 1) {
+    for (int64_t d = 0; d < dim; ++d) {
+      const scalar_t* column = rows + d * dim_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* weights = w + g * w_stride;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < count; ++t) sum += weights[t] * static_cast<float>(column[t]);
+        acc[g * dim + d] += sum;
+      }
+    }
+    return;
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const scalar_t* row = rows + t * token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = w[g * w_stride + t];
+      float* out = acc + g * dim;
+      if (dim_stride == 1) {
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) out[d] += weight * static_cast<float>(row[d]);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) out[d] += weight * static_cast<float>(row[d * dim_stride]);
+      }
+    }
+  }
+}
+
+// acc[g * DIM + d] += sum_t w[g * w_stride + t] * V(t, d) for HEADS heads and `count` tokens whose V rows
+// lie `token_stride` apart with adjacent dims (vLLM's CPU vec pages): the HEADS x DIM sums stay in
+// registers over the page, each value row read once for all heads; `next` (or nullptr): the next
+// page's values, prefetched row by row.
+template <int HEADS, int DIM, typename scalar_t>
+inline void page_weighted_values(const scalar_t* rows, const scalar_t* next, int64_t token_stride, int64_t count,
+                                 const float* w, int64_t w_stride, float* acc) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  float sums[HEADS][DIM] = {};
+  for (int64_t t = 0; t < count; ++t) {
+    const scalar_t* row = rows + t * token_stride;
+    if (next != nullptr)
+      for (int64_t d = 0; d < DIM; d += kLine) __builtin_prefetch(next + t * token_stride + d);
+    for (int g = 0; g < HEADS; ++g) {
+      const float weight = w[g * w_stride + t];
+#pragma omp simd
+      for (int64_t d = 0; d < DIM; ++d) sums[g][d] += weight * static_cast<float>(row[d]);
+    }
+  }
+  for (int g = 0; g < HEADS; ++g)
+    for (int64_t d = 0; d < DIM; ++d) acc[g * DIM + d] += sums[g][d];
+}
+
+// acc[g * dim + d] += sum_i w[g * n + i] * V(token i, d) over the first n tokens of a sequence on pages
+// pages[0..]: the weighted values of `group` query heads. Pages with adjacent dims and 64 or 128 of them
+// go through page_weighted_values (up to 4 or 2 heads at a time), any other through add_weighted_rows.
+template <typename scalar_t>
+void sequence_values(const scalar_t* cache, const Addressing& a, const int64_t* pages, int64_t n, const float* w,
+                     int64_t group, int64_t dim, float* acc) {
+  const int64_t bs = a.block_size;
+  const bool registers = a.v_dim_stride == 1 && (dim == 64 || dim == 128);
+  for (int64_t start = 0; start < n; start += bs) {
+    const int64_t count = std::min(bs, n - start);
+    const scalar_t* page = cache + a.page_base(pages[start / bs]) + a.v_offset;
+    if (!registers) {
+      add_weighted_rows(page, a.v_token_stride, a.v_dim_stride, count, w + start, n, group, dim, acc);
+      continue;
+    }
+    const scalar_t* next = start + bs < n ? cache + a.page_base(pages[start / bs + 1]) + a.v_offset : nullptr;
+    const int64_t chunk = dim == 64 ? 4 : 2;
+    for (int64_t g = 0; g < group; g += chunk) {
+      const float* wg = w + g * n + start;
+      float* out = acc + g * dim;
+      const int64_t heads = std::min(chunk, group - g);
+      const int64_t ts = a.v_token_stride;
+      if (dim == 64) {
+        switch (heads) {
+          case 1: page_weighted_values<1, 64>(page, next, ts, count, wg, n, out); break;
+          case 2: page_weighted_values<2, 64>(page, next, ts, count, wg, n, out); break;
+          case 3: page_weighted_values<3, 64>(page, next, ts, count, wg, n, out); break;
+          default: page_weighted_values<4, 64>(page, next, ts, count, wg, n, out); break;
+        }
+      } else if (heads == 1) {
+        page_weighted_values<1, 128>(page, next, ts, count, wg, n, out);
+      } else {
+        page_weighted_values<2, 128>(page, next, ts, count, wg, n, out);
+      }
+    }
+  }
+}
+
 // In place: each of `rows` rows of n logits becomes its softmax (float32, max subtracted).
 inline void softmax_rows(float* x, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -12,40 +12,6 @@
 namespace kvpolicy {
 namespace {
 
-// acc[g * dim + d] += sum_t w[g * w_stride + t] * x(t, d) for g < group, t < count, where x(t, d) lies at
-// rows[t * token_stride + d * dim_stride]: tokens innermost when they are adjacent (a K half of vLLM's CPU
-// vec page), dims innermost otherwise.
-template <typename scalar_t>
-void add_weighted_rows(const scalar_t* rows, int64_t token_stride, int64_t dim_stride, int64_t count,
-                       const float* w, int64_t w_stride, int64_t group, int64_t dim, float* acc) {
-  if (token_stride == 1) {
-    for (int64_t d = 0; d < dim; ++d) {
-      const scalar_t* column = rows + d * dim_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* weights = w + g * w_stride;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < count; ++t) sum += weights[t] * static_cast<float>(column[t]);
-        acc[g * dim + d] += sum;
-      }
-    }
-    return;
-  }
-  for (int64_t t = 0; t < count; ++t) {
-    const scalar_t* row = rows + t * token_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      const float weight = w[g * w_stride + t];
-      float* out = acc + g * dim;
-      if (dim_stride == 1) {
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) out[d] += weight * static_cast<float>(row[d]);
-      } else {
-        for (int64_t d = 0; d < dim; ++d) out[d] += weight * static_cast<float>(row[d * dim_stride]);
-      }
-    }
-  }
-}
-
 // In place: each of `rows` rows of n logits becomes exp(x - max); returns through top/total the row's
 // max and the sum of its exponentials (max -inf and sum 0 for an empty row).
 inline void exp_rows(float* x, int64_t rows, int64_t n, float* top, float* total) {

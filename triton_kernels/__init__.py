@@ -4,6 +4,8 @@ from .geometry import PageGeometry, flat
 from .keydiff_scores import keydiff_scores, keydiff_scores_reference
 from .new_token_weights import new_token_weights, new_token_weights_reference
 from .page_scores import (
+    context_attention,
+    context_attention_reference,
     context_page_scores,
     context_page_scores_reference,
     context_token_scores,
@@ -26,6 +28,8 @@ from .write_slots import write_slots, write_slots_reference
 
 __all__ = [
     "PageGeometry",
+    "context_attention",
+    "context_attention_reference",
     "context_page_scores",
     "context_page_scores_reference",
     "context_token_scores",

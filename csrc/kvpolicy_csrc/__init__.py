@@ -47,6 +47,13 @@ def context_page_scores(query, cache, geom, token_idx, page_ids, lengths, scale)
     return _C.context_page_scores(query, cache, list(geom.key_addressing()), token_idx, page_ids, lengths, scale)
 
 
+def context_attention(query, out, cache, geom, token_idx, page_ids, lengths, scale) -> torch.Tensor:
+    """``context_page_scores`` of the rows, and their attention output written into ``out`` [T, Hq, D] (rows
+    ``token_idx``) from the same softmax weights: a filter layer's keys read once for both. Reference:
+    ``kvpolicy_triton.context_attention_reference``."""
+    return _C.context_attention(query, out, cache, list(geom.addressing()), token_idx, page_ids, lengths, scale)
+
+
 def gather_tokens(cache, geom, slots) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V rows [n, head_size] of the tokens at ``slots``. Reference: ``kvpolicy_triton.gather_tokens_reference``."""
     keys, values = _C.gather_tokens(cache, list(geom.addressing()), geom.head_size, slots)

@@ -96,12 +96,13 @@ class PageChoice:
     num_pages: np.ndarray
     counts: np.ndarray
     kept: np.ndarray  # [rows, most kept]: entry j of row r holds a page (j < counts[r])
+    drops: bool  # some row leaves pages out: only then do the scores decide anything
 
     @classmethod
     def of(cls, lengths: np.ndarray, page_size: int, budgets: list[int]) -> PageChoice:
         num_pages = -(-np.asarray(lengths, dtype=np.int64) // page_size)
         counts = np.minimum(-(-np.asarray(budgets, dtype=np.int64) // page_size), num_pages)
-        return cls(num_pages, counts, np.arange(counts.max()) < counts[:, None])
+        return cls(num_pages, counts, np.arange(counts.max()) < counts[:, None], bool((counts < num_pages).any()))
 
     def choose(self, page_scores: np.ndarray) -> np.ndarray:
         """Each row's kept page indices, ascending, in its first ``counts[r]`` entries, then zeros,

@@ -61,6 +61,9 @@ class MetaOps(KVOps):
     def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths):
         raise AssertionError("not a selecting policy")
 
+    def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
+        raise AssertionError("not a selecting policy")
+
 
 @pytest.fixture
 def worker():

@@ -227,17 +227,24 @@ class SelectionPath:
         source = step.sources[layer_idx]
         pages = WORKER_STATE.page_space().pages if offloaded is not None or step.offloads else None
         if source is None:
-            if offloaded is None:
+            filter_layer, scores = layer_idx in WORKER_STATE.policy.filter_layers, None
+            # In a filter layer, decode rows that leave pages out attend and are scored in one pass over
+            # their keys; the other rows attend as stock.
+            fused = filter_layer and context is not None and context.choice.drops
+            if offloaded is None and not fused:
                 full_attention()
             else:
-                self.ops.attend(layer, query, out, kv_cache, step.resident)
-                batch = offloaded.full[layer_idx]
-                self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
-            if layer_idx in WORKER_STATE.policy.filter_layers:
-                if context is not None:
-                    context.selected[layer_idx] = self._select(layer, query, kv_cache, context, step.stock)
-                if offloaded is not None:
-                    offloaded.chosen[layer_idx] = self._select_offloaded(layer, query, pages, layer_idx, offloaded)
+                self.ops.attend(layer, query, out, kv_cache, step.stock if fused else step.resident)
+                if fused:
+                    scores = self.ops.context_attention(
+                        layer, query, out, kv_cache, context.page_ids, context.token_idx, context.lengths
+                    )
+                if offloaded is not None and filter_layer:
+                    offloaded.chosen[layer_idx] = self._select_offloaded(layer, query, out, pages, layer_idx, offloaded)
+                elif offloaded is not None:
+                    self.ops.attend(layer, query, out, pages, offloaded.full[layer_idx], offloaded.rows)
+            if filter_layer and context is not None:
+                context.selected[layer_idx] = self._select(layer, query, kv_cache, context, step.stock, scores)
         else:
             # One call: the selected rows over their pages, the stock rows (if any) over all theirs.
             self.ops.attend(layer, query, out, kv_cache, step.stock if context is None else context.selected[source])
@@ -247,21 +254,30 @@ class SelectionPath:
         if step.offloads and layer_idx == len(step.sources) - 1:
             _move_offloads(pages, step.offloads)
 
-    def _choose_pages(self, layer, query, cache, page_ids, token_idx, lengths, choice: PageChoice) -> np.ndarray:
+    def _choose_pages(
+        self, layer, query, cache, page_ids, token_idx, lengths, choice: PageChoice, scores=None
+    ) -> np.ndarray:
         """Eq. (3)-(4) and the page choice for decode rows, ``page_ids`` [rows, kv_heads, pages] in ``cache``
-        and ``lengths`` int64: ``choice.choose``'s pages, for the whole batch at once, on the host."""
-        scores = self.ops.context_page_scores(layer, query, cache, page_ids, token_idx, lengths)
+        and ``lengths`` int64: ``choice.choose``'s pages, for the whole batch at once, on the host. The page
+        ``scores`` when the layer's attention made them; none are computed when every row keeps every page."""
         WORKER_STATE.counters["context_pages"] += int(choice.num_pages.sum())
         WORKER_STATE.counters["selected_pages"] += int(choice.counts.sum())
+        if not choice.drops:
+            return choice.choose(np.zeros((page_ids.shape[0], page_ids.shape[2])))
+        if scores is None:
+            scores = self.ops.context_page_scores(layer, query, cache, page_ids, token_idx, lengths)
         return choice.choose(scores.cpu().numpy())
 
-    def _select(self, layer, query, kv_cache, context: ContextSelection, stock: AttentionBatch) -> AttentionBatch:
-        """Score each decode row's context with its last token (eq. 3-4) and build the sparse layers' call:
-        ``stock``'s rows over all their pages, then the decode rows over their selected pages."""
+    def _select(
+        self, layer, query, kv_cache, context: ContextSelection, stock: AttentionBatch, scores=None
+    ) -> AttentionBatch:
+        """Choose each decode row's pages by its last token's attention (eq. 3-4; ``scores`` when the layer's
+        attention made them) and build the sparse layers' call: ``stock``'s rows over all their pages, then
+        the decode rows over their selected pages."""
         heads = kv_cache.shape[1]
         choice = context.choice
         chosen = self._choose_pages(
-            layer, query, kv_cache, context.page_ids, context.token_idx, context.lengths, choice
+            layer, query, kv_cache, context.page_ids, context.token_idx, context.lengths, choice, scores
         )
         block_table = torch.from_numpy(np.where(choice.kept, np.take_along_axis(context.table, chosen, axis=1), 0))
         seq_lens, token_idx = context.seq_lens, context.token_idx
@@ -276,13 +292,21 @@ class SelectionPath:
         in_order = bool(np.array_equal(token_idx.numpy(), np.arange(len(token_idx))))
         return AttentionBatch(token_idx, query_start_loc, seq_lens, block_table, heads, plan, in_order)
 
-    def _select_offloaded(self, layer, query, pages, layer_idx: int, offloaded: OffloadedBatch) -> list[np.ndarray]:
-        """The filter layer's choice for offloaded rows, from its keys in the request's own pages."""
+    def _select_offloaded(
+        self, layer, query, out, pages, layer_idx: int, offloaded: OffloadedBatch
+    ) -> list[np.ndarray]:
+        """A filter layer for offloaded rows: their attention over their own pages and the choice it makes,
+        in one pass over their keys when some row leaves pages out (as for resident rows)."""
         batch = offloaded.full[layer_idx]
         page_ids = batch.block_table.long().view(len(offloaded.requests), -1, batch.block_table.shape[1])
         lengths = torch.tensor([request.length for request in offloaded.requests])
         choice = PageChoice.of(lengths.numpy(), pages.shape[2], offloaded.budgets)
-        chosen = self._choose_pages(layer, query, pages, page_ids, offloaded.token_idx, lengths, choice)
+        scores = None
+        if choice.drops:
+            scores = self.ops.context_attention(layer, query, out, pages, page_ids, offloaded.token_idx, lengths)
+        else:
+            self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
+        chosen = self._choose_pages(layer, query, pages, page_ids, offloaded.token_idx, lengths, choice, scores)
         return [row[:count] for row, count in zip(chosen, choice.counts.tolist())]
 
     def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:

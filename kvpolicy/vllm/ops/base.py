@@ -96,6 +96,12 @@ class KVOps(ABC):
         from the row's last query (max over query heads), summed page by page, [rows, pages] float64;
         ``page_ids`` [rows, kv_heads, pages] in ``cache``, ``token_idx`` the rows' query tokens."""
 
+    @abstractmethod
+    def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths) -> torch.Tensor:
+        """A filter layer for OmniKV's decode rows: their attention over their whole context (``page_ids``,
+        as for ``context_page_scores``) into ``out`` [T, q_heads, D], and the page scores of the same
+        weights; one read of the keys where the platform's ops can."""
+
     def pod_attention(self, layer, query, out, cache, call: SharedAttention) -> torch.Tensor:
         """PoD's decode attention (eq. 3-4) of ``call``'s sequences into ``out`` [T, q_heads, D], over ``cache``
         as one-head pages of the whole KV buffer (``kvpolicy_triton.pod_attention``); returns [S, G] bool,

@@ -333,3 +333,21 @@ class CPUOps(KVOps):
         keys = cache_layout(layer, cache).page_key_blocks(self.views(layer, cache).one_head, page_ids)
         queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
         return page_sums(context_scores(queries, keys, lengths), cache.shape[2])
+
+    def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            args = (token_idx, page_ids, lengths, self.impl.scale)
+            return kvpolicy_csrc.context_attention(query, out, cache, geometry, *args)
+        self._context_attention_by_gather(layer, query, out, cache, page_ids, token_idx, lengths)
+        return self.context_page_scores(layer, query, cache, page_ids, token_idx, lengths)
+
+    def _context_attention_by_gather(self, layer, query, out, cache, page_ids, token_idx, lengths) -> None:
+        """The torch path: each row's tokens gathered through the page layout, attended KV head by KV head."""
+        group, bs = self.impl.num_queries_per_kv, cache.shape[2]
+        for row, (token, n) in enumerate(zip(token_idx.tolist(), lengths.tolist())):
+            for head, pages in enumerate(page_ids[row].tolist()):
+                keys, values = self.gather(layer, cache, page_slots(pages, n, bs))
+                heads = slice(head * group, (head + 1) * group)
+                weights = torch.softmax(query[token, heads].float() @ keys.float().T * self.impl.scale, dim=-1)
+                out[token, heads] = (weights @ values.float()).to(out.dtype)

@@ -21,6 +21,7 @@ from kvpolicy.vllm.ops.staging import StagedStep, TableMirror, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
     PageGeometry,
+    context_attention,
     context_page_scores,
     gather_tokens,
     gather_values,
@@ -270,6 +271,10 @@ class TritonOps(KVOps):
     def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths):
         indices = _on(cache.device, token_idx, page_ids, lengths)
         return context_page_scores(query, cache, cache_geometry(layer, cache), *indices, self.impl.scale)
+
+    def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
+        indices = _on(cache.device, token_idx, page_ids, lengths)
+        return context_attention(query, out, cache, cache_geometry(layer, cache), *indices, self.impl.scale)
 
     def pod_attention(self, layer, query, out, cache, call):
         indices = _on(cache.device, *call.indices())
