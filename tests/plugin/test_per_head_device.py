@@ -58,9 +58,6 @@ class MetaOps(KVOps):
     def new_token_weights(self, layer, query, cache, batch, rows):
         return torch.zeros(batch.seq_lens.numel(), int(batch.seq_lens.max()), dtype=torch.float64, device=cache.device)
 
-    def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths):
-        raise AssertionError("not a selecting policy")
-
     def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
         raise AssertionError("not a selecting policy")
 

@@ -244,7 +244,7 @@ class SelectionPath:
                 elif offloaded is not None:
                     self.ops.attend(layer, query, out, pages, offloaded.full[layer_idx], offloaded.rows)
             if filter_layer and context is not None:
-                context.selected[layer_idx] = self._select(layer, query, kv_cache, context, step.stock, scores)
+                context.selected[layer_idx] = self._select(kv_cache.shape[1], context, step.stock, scores)
         else:
             # One call: the selected rows over their pages, the stock rows (if any) over all theirs.
             self.ops.attend(layer, query, out, kv_cache, step.stock if context is None else context.selected[source])
@@ -254,31 +254,21 @@ class SelectionPath:
         if step.offloads and layer_idx == len(step.sources) - 1:
             _move_offloads(pages, step.offloads)
 
-    def _choose_pages(
-        self, layer, query, cache, page_ids, token_idx, lengths, choice: PageChoice, scores=None
-    ) -> np.ndarray:
-        """Eq. (3)-(4) and the page choice for decode rows, ``page_ids`` [rows, kv_heads, pages] in ``cache``
-        and ``lengths`` int64: ``choice.choose``'s pages, for the whole batch at once, on the host. The page
-        ``scores`` when the layer's attention made them; none are computed when every row keeps every page."""
+    @staticmethod
+    def _choose_pages(choice: PageChoice, scores: torch.Tensor | None) -> np.ndarray:
+        """The page choice for decode rows (eq. 3-4), for the whole batch at once, on the host: ``scores``
+        [rows, pages] as the filter layer's attention made them, None when every row keeps every page
+        (then nothing was scored)."""
         WORKER_STATE.counters["context_pages"] += int(choice.num_pages.sum())
         WORKER_STATE.counters["selected_pages"] += int(choice.counts.sum())
-        if not choice.drops:
-            return choice.choose(np.zeros((page_ids.shape[0], page_ids.shape[2])))
-        if scores is None:
-            scores = self.ops.context_page_scores(layer, query, cache, page_ids, token_idx, lengths)
-        return choice.choose(scores.cpu().numpy())
+        return choice.choose(np.zeros(choice.kept.shape) if scores is None else scores.cpu().numpy())
 
-    def _select(
-        self, layer, query, kv_cache, context: ContextSelection, stock: AttentionBatch, scores=None
-    ) -> AttentionBatch:
-        """Choose each decode row's pages by its last token's attention (eq. 3-4; ``scores`` when the layer's
-        attention made them) and build the sparse layers' call: ``stock``'s rows over all their pages, then
+    def _select(self, heads: int, context: ContextSelection, stock: AttentionBatch, scores) -> AttentionBatch:
+        """Choose each decode row's pages by its last token's attention (eq. 3-4; ``scores`` as for
+        ``_choose_pages``) and build the sparse layers' call: ``stock``'s rows over all their pages, then
         the decode rows over their selected pages."""
-        heads = kv_cache.shape[1]
         choice = context.choice
-        chosen = self._choose_pages(
-            layer, query, kv_cache, context.page_ids, context.token_idx, context.lengths, choice, scores
-        )
+        chosen = self._choose_pages(choice, scores)
         block_table = torch.from_numpy(np.where(choice.kept, np.take_along_axis(context.table, chosen, axis=1), 0))
         seq_lens, token_idx = context.seq_lens, context.token_idx
         query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
@@ -306,7 +296,7 @@ class SelectionPath:
             scores = self.ops.context_attention(layer, query, out, pages, page_ids, offloaded.token_idx, lengths)
         else:
             self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
-        chosen = self._choose_pages(layer, query, pages, page_ids, offloaded.token_idx, lengths, choice, scores)
+        chosen = self._choose_pages(choice, scores)
         return [row[:count] for row, count in zip(chosen, choice.counts.tolist())]
 
     def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:

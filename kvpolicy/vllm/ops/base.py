@@ -91,16 +91,12 @@ class KVOps(ABC):
         sequence (its query heads averaged), [sequences, n] float64, 0 past each length."""
 
     @abstractmethod
-    def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths) -> torch.Tensor:
-        """OmniKV's eq. (3)-(4), last-token selector: per row, each context token's attention weight
-        from the row's last query (max over query heads), summed page by page, [rows, pages] float64;
-        ``page_ids`` [rows, kv_heads, pages] in ``cache``, ``token_idx`` the rows' query tokens."""
-
-    @abstractmethod
     def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths) -> torch.Tensor:
-        """A filter layer for OmniKV's decode rows: their attention over their whole context (``page_ids``,
-        as for ``context_page_scores``) into ``out`` [T, q_heads, D], and the page scores of the same
-        weights; one read of the keys where the platform's ops can."""
+        """A filter layer for OmniKV's decode rows: their attention over their whole context into ``out``
+        [T, q_heads, D] (``page_ids`` [rows, kv_heads, pages] in ``cache``, ``token_idx`` the rows' query
+        tokens), and OmniKV's eq. (3)-(4) with the last-token selector from the same weights: each context
+        token's weight (max over query heads) summed page by page, [rows, pages] float64. One read of the
+        keys where the platform's ops can."""
 
     def pod_attention(self, layer, query, out, cache, call: SharedAttention) -> torch.Tensor:
         """PoD's decode attention (eq. 3-4) of ``call``'s sequences into ``out`` [T, q_heads, D], over ``cache``

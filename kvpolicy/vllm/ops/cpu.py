@@ -325,22 +325,16 @@ class CPUOps(KVOps):
         row_shape = (impl.num_queries_per_kv, impl.head_size)
         return new_token_attention(keys, lengths, by_head(query, rows, impl.num_kv_heads, row_shape))
 
-    def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths):
+    def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
         impl = self.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
-            return kvpolicy_csrc.context_page_scores(query, cache, geometry, token_idx, page_ids, lengths, impl.scale)
+            args = (token_idx, page_ids, lengths, impl.scale)
+            return kvpolicy_csrc.context_attention(query, out, cache, geometry, *args)
+        self._context_attention_by_gather(layer, query, out, cache, page_ids, token_idx, lengths)
         keys = cache_layout(layer, cache).page_key_blocks(self.views(layer, cache).one_head, page_ids)
         queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
         return page_sums(context_scores(queries, keys, lengths), cache.shape[2])
-
-    def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
-        geometry = self._geometry(layer, cache)
-        if geometry is not None:
-            args = (token_idx, page_ids, lengths, self.impl.scale)
-            return kvpolicy_csrc.context_attention(query, out, cache, geometry, *args)
-        self._context_attention_by_gather(layer, query, out, cache, page_ids, token_idx, lengths)
-        return self.context_page_scores(layer, query, cache, page_ids, token_idx, lengths)
 
     def _context_attention_by_gather(self, layer, query, out, cache, page_ids, token_idx, lengths) -> None:
         """The torch path: each row's tokens gathered through the page layout, attended KV head by KV head."""

@@ -22,7 +22,6 @@ from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tens
 from kvpolicy_triton import (
     PageGeometry,
     context_attention,
-    context_page_scores,
     gather_tokens,
     gather_values,
     move_tokens,
@@ -267,10 +266,6 @@ class TritonOps(KVOps):
             indices = (token_of, head_of, table, seq_lens)
         geometry = cache_geometry(layer, cache)
         return new_token_weights(query, cache, geometry, *indices, self.impl.scale, self.impl.num_kv_heads).double()
-
-    def context_page_scores(self, layer, query, cache, page_ids, token_idx, lengths):
-        indices = _on(cache.device, token_idx, page_ids, lengths)
-        return context_page_scores(query, cache, cache_geometry(layer, cache), *indices, self.impl.scale)
 
     def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
         indices = _on(cache.device, token_idx, page_ids, lengths)
