@@ -186,13 +186,14 @@ inline void add_weighted_rows(const scalar_t* rows, int64_t token_stride, int64_
 
 // acc[g * DIM + d] += sum_t w[g * w_stride + t] * V(t, d) for HEADS heads and `count` tokens whose V rows
 // lie `token_stride` apart with adjacent dims (vLLM's CPU vec pages): the HEADS x DIM sums stay in
-// registers over the page, each value row read once for all heads; `next` (or nullptr): the next
-// page's values, prefetched row by row.
+// registers over the page, each value row read once for all heads, and tokens are added in the order
+// add_weighted_rows adds them; `next` (or nullptr): the next page's values, prefetched row by row.
 template <int HEADS, int DIM, typename scalar_t>
 inline void page_weighted_values(const scalar_t* rows, const scalar_t* next, int64_t token_stride, int64_t count,
                                  const float* w, int64_t w_stride, float* acc) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
-  float sums[HEADS][DIM] = {};
+  float sums[HEADS][DIM];
+  for (int g = 0; g < HEADS; ++g) std::copy(acc + g * DIM, acc + (g + 1) * DIM, sums[g]);
   for (int64_t t = 0; t < count; ++t) {
     const scalar_t* row = rows + t * token_stride;
     if (next != nullptr)
@@ -203,8 +204,7 @@ inline void page_weighted_values(const scalar_t* rows, const scalar_t* next, int
       for (int64_t d = 0; d < DIM; ++d) sums[g][d] += weight * static_cast<float>(row[d]);
     }
   }
-  for (int g = 0; g < HEADS; ++g)
-    for (int64_t d = 0; d < DIM; ++d) acc[g * DIM + d] += sums[g][d];
+  for (int g = 0; g < HEADS; ++g) std::copy(sums[g], sums[g] + DIM, acc + g * DIM);
 }
 
 // acc[g * dim + d] += sum_i w[g * n + i] * V(token i, d) over the first n tokens of a sequence on pages

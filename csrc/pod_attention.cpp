@@ -55,11 +55,7 @@ void attend_sequence(const scalar_t* kv, const Addressing& a, const Sequences& i
         *far_total = far_top + group;
   exp_rows(own.data(), group, n, near_top, near_total);
   std::fill(result, result + group * dim, 0.0f);
-  for (int64_t first = 0; first < n; first += bs) {
-    const scalar_t* page = kv + a.page_base(pages[first / bs]) + a.v_offset;
-    add_weighted_rows(page, a.v_token_stride, a.v_dim_stride, std::min(bs, n - first), own.data() + first, n, group,
-                      dim, result);
-  }
+  sequence_values(kv, a, pages, n, own.data(), group, dim, result);
   const int64_t source = in.read_from[s];
   bool any = false;
   if (source >= 0 && count > 0) {
