@@ -201,18 +201,19 @@ def run_engine(args) -> dict:
     if not offload and SHORT_CONTEXT not in args.contexts:
         grid.insert(0, (SHORT_CONTEXT, None))
     rounds = 1 if offload else args.rounds
+    prompts = {context: passkey_prompts(tokenizer, DEPTHS, context, ANSWER_QUESTION) for context, _ in grid}
     timings: dict[tuple[int, int | None], list[list[dict]]] = {config: [] for config in grid}
-    answers = {}
+    answers = {}  # each configuration's answers, from its first round
     for round_index, (context, budget) in enumerate(
         tqdm([config for _ in range(rounds) for config in grid], desc=f"{args.engine} engine", unit="config")
     ):
-        prompts = passkey_prompts(tokenizer, DEPTHS, context, ANSWER_QUESTION)
-        timing, texts = decode(llm, prompts, budget or MAX_MODEL_LEN, f"{context}-{budget}-{round_index}")
+        timing, texts = decode(llm, prompts[context], budget or MAX_MODEL_LEN, f"{context}-{budget}-{round_index}")
         timings[context, budget].append(timing)
-        answers.setdefault((context, budget), (prompts, first_answers(tokenizer, texts)))
+        if (context, budget) not in answers:
+            answers[context, budget] = first_answers(tokenizer, texts)
     for (context, budget), runs in timings.items():
-        prompts, first = answers[context, budget]
-        needle = sum(item["key"] in answer for item, answer in zip(prompts, first)) / len(prompts)
+        first = answers[context, budget]
+        needle = sum(item["key"] in answer for item, answer in zip(prompts[context], first)) / len(first)
         policy = OFFLOAD if offload else "omnikv" if budget else "full cache"
         for batch_runs in zip(*runs):
             each = [run["ms_per_token"] for run in batch_runs]
