@@ -50,6 +50,7 @@ from kvpolicy.vllm.internals import (
     stop_caching,
 )
 from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
+from kvpolicy.vllm.relocations import RELOCATIONS
 from kvpolicy.vllm.stage import STAGE
 from kvpolicy.vllm.state import WORKER_STATE
 
@@ -133,6 +134,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """Which blocks of each prompt being read are shared or cached, when prefix caching is on."""
+        RELOCATIONS.next_step()
         manager = self._kv_cache_manager
         caching = manager is not None and manager.enable_caching
         sharing = {}
@@ -154,6 +156,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         releases = connector_output.kv_connector_worker_meta
         if isinstance(releases, BlockReleases):
             for req_id, keep in releases.keep.items():
+                RELOCATIONS.record(req_id)
                 request = self._reading.pop(req_id, None) or self._relocated.get(req_id)
                 if request is not None:
                     self._relocated[req_id] = request

@@ -33,6 +33,15 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 #: Where the CPU platform's attention backend lives; we subclass its pieces.
 CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
@@ -223,6 +232,13 @@ __all__ = [
     "KVTransferConfig",
     "KV_CACHE_LAYOUT_ENV",
     "KV_MEMORY_NEEDED_FUNCTIONS",
+    "CPULoadStoreSpec",
+    "CPUOffloadingSpec",
+    "CanonicalKVCaches",
+    "GPULoadStoreSpec",
+    "OffloadingWorker",
+    "PrepareStoreOutput",
+    "TransferResult",
     "SamplingParams",
     "TRITON_ATTN_MODULE",
     "MODEL_RUNNER_V2_ENV",
