@@ -15,7 +15,7 @@ import os
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_flag
 from kvpolicy.flags import FLAGS
 from kvpolicy.policies import POLICIES, Mode
-from kvpolicy.vllm.connectors import compose, offloading_child
+from kvpolicy.vllm.connectors import compose, offloading_child, offloads_prefix
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
     KV_CACHE_LAYOUT_ENV,
@@ -125,14 +125,29 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
     """Point vLLM at our connector and worker; refuse combinations we cannot serve."""
     worker_cls = _platform_worker(engine_args, config)
     prepare_pipeline(engine_args, config)
+    engine_args.kv_transfer_config = compose(
+        engine_args.kv_transfer_config,
+        {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE},
+        config,
+        on_cpu=current_platform.is_cpu(),
+        offloading=_take_offloading(engine_args),
+    )
+    offloading = offloads_prefix(engine_args.kv_transfer_config)
+    if config.rewrites_blocks and offloading and engine_args.pipeline_parallel_size > 1:
+        raise KVPolicyConfigError(
+            f"--kv-policy {config.policy} cannot run beside OffloadingConnector with --pipeline-parallel-size "
+            f"{engine_args.pipeline_parallel_size}: vLLM schedules a stage's next batch before it reads which "
+            "requests the last step relocated, so the connector cannot tell which copies came after; drop one"
+        )
     # vLLM's asynchronous scheduler (its CUDA default) schedules a step before it reads the step
     # before's report; a request admitted then may hit the prefix cache on blocks that step relocated
-    # into, whose hashes leave the cache only with the report (connector.py).
-    if config.rewrites_blocks and engine_args.enable_prefix_caching is not False:
+    # into, whose hashes leave the cache only with the report (connector.py), and the offloading
+    # connector would not know which of its copies came after a relocation (relocations.py).
+    if config.rewrites_blocks and (engine_args.enable_prefix_caching is not False or offloading):
         if engine_args.async_scheduling:
             raise KVPolicyConfigError(
-                f"--kv-policy {config.policy} with prefix caching needs vLLM's synchronous scheduler; "
-                "drop --async-scheduling or add --no-enable-prefix-caching"
+                f"--kv-policy {config.policy} with prefix caching or OffloadingConnector needs vLLM's synchronous "
+                "scheduler; drop --async-scheduling or add --no-enable-prefix-caching without the connector"
             )
         engine_args.async_scheduling = False
     if config.rewrites_blocks:
@@ -146,13 +161,6 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
     # (one per local rank) instead of the extra core it reserves for any connector.
     ranks = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
     os.environ.setdefault(CPU_RESERVED_CORES_ENV, str(ranks))
-    engine_args.kv_transfer_config = compose(
-        engine_args.kv_transfer_config,
-        {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE},
-        config,
-        on_cpu=current_platform.is_cpu(),
-        offloading=_take_offloading(engine_args),
-    )
     if engine_args.worker_cls not in ("auto", worker_cls):
         raise KVPolicyConfigError("--kv-policy needs its own worker class; drop --worker-cls")
     engine_args.worker_cls = worker_cls

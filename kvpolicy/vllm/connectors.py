@@ -18,10 +18,13 @@ connector defers a step's stores to the start of the next step
 (``OffloadingConnectorWorker.prepare_store_kv``), LMCache saves at the end of
 the forward (``wait_for_save``) or layer by layer, the example connector in
 ``save_kv_layer``, NIXL and Mooncake send a finished prefill's blocks to a
-decode instance. Each would serve pages as tokens to a later request or
-another instance: refused, each with its reason. Policies that leave blocks
-as vLLM wrote them (``omnikv`` without ``--kv-offload``) run beside any of
-them.
+decode instance. vLLM's offloading connector lets its offloading spec manage
+what it stores: kvpolicy names its own (``prefix_offload.py``), which keeps
+what was copied after a relocation out of the store and copies on vLLM's
+CPU platform too. Each other one would serve pages as tokens to a later
+request or another instance: refused, each with its reason. Policies that
+leave blocks as vLLM wrote them (``omnikv`` without ``--kv-offload``) run
+beside any of them.
 """
 
 from __future__ import annotations
@@ -31,17 +34,21 @@ from typing import Any
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
 from kvpolicy.vllm.internals import KVTransferConfig
+from kvpolicy.vllm.prefix_offload import SPEC_MODULE, SPEC_NAME
 
 MULTI_CONNECTOR = "MultiConnector"
 
-#: vLLM's connectors that copy the device's KV blocks to host memory: their workers run on CUDA and XPU
-#: only (``CPUOffloadingSpec.get_worker``: "CPU Offloading is currently only supported on CUDA-alike and
-#: XPU GPUs"; ``SimpleCPUOffloadWorker`` makes ``torch.cuda.Stream``s).
-HOST_OFFLOADING = frozenset({"OffloadingConnector", "SimpleCPUOffloadConnector"})
+#: vLLM's connector whose offloading spec kvpolicy replaces with its own (``prefix_offload.py``)
+OFFLOADING = "OffloadingConnector"
+#: the spec vLLM's offloading connector uses unless told otherwise, and which kvpolicy's extends
+VLLM_OFFLOADING_SPEC = "CPUOffloadingSpec"
+
+#: vLLM's connector that copies the device's KV blocks to host memory with CUDA streams
+#: (``SimpleCPUOffloadWorker`` makes ``torch.cuda.Stream``s): CUDA and XPU only.
+DEVICE_ONLY_OFFLOADING = "SimpleCPUOffloadConnector"
 
 #: connector -> when it copies blocks out, after kvpolicy may have packed pages into them
 SAVES_AFTER_PACKING = {
-    "OffloadingConnector": "it stores a step's blocks at the start of the next step, after the prompt's pages were packed",
     "SimpleCPUOffloadConnector": "it stores blocks after the forward that packed the prompt's pages",
     "LMCacheConnectorV1": "it saves a prompt's KV at the end of the forward (or layer by layer), after packing",
     "LMCacheMPConnector": "it saves a prompt's KV at the end of the forward (or layer by layer), after packing",
@@ -86,10 +93,19 @@ def offloading_child(size_gib: float, backend: str, simple: bool) -> dict[str, A
 def refusal(child: dict[str, Any], config: KVPolicyConfig, on_cpu: bool) -> str | None:
     """Why ``child`` cannot run beside ``--kv-policy``, or None when it can."""
     name = child.get("kv_connector") or "?"
-    if on_cpu and name in HOST_OFFLOADING:
+    if on_cpu and name == DEVICE_ONLY_OFFLOADING:
         return (
-            f"vLLM's {name} copies KV blocks from accelerator to host memory and runs on CUDA and XPU only; "
-            "on vLLM's CPU platform the KV cache already is host memory"
+            f"vLLM's {name} copies KV blocks from accelerator to host memory with CUDA streams and runs on CUDA "
+            "and XPU only; use OffloadingConnector (or --kv-offloading-size without VLLM_USE_SIMPLE_KV_OFFLOAD)"
+        )
+    if name == OFFLOADING:
+        spec = _offloading_spec(child)
+        if spec in (VLLM_OFFLOADING_SPEC, SPEC_NAME) or not (config.rewrites_blocks or on_cpu):
+            return None
+        return (
+            f"{name} with spec_name {spec}: kvpolicy runs this connector with its own extension of "
+            f"{VLLM_OFFLOADING_SPEC}, which stores only blocks that hold their tokens and copies on vLLM's CPU "
+            "platform too; drop spec_name"
         )
     if not config.rewrites_blocks:
         return None
@@ -104,6 +120,24 @@ def refusal(child: dict[str, Any], config: KVPolicyConfig, on_cpu: bool) -> str 
         f"{name} saves KV by token hashes, and --kv-policy {config.policy} packs a prompt's kept pages into its "
         f"blocks: {why}, so a later prompt would be served pages as tokens"
     )
+
+
+def _offloading_spec(child: dict[str, Any]) -> str:
+    return child.get("kv_connector_extra_config", {}).get("spec_name", VLLM_OFFLOADING_SPEC)
+
+
+def with_kvpolicy_spec(child: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's offloading connector on vLLM's own spec, given kvpolicy's (``prefix_offload.py``); others unchanged."""
+    if child.get("kv_connector") != OFFLOADING or _offloading_spec(child) != VLLM_OFFLOADING_SPEC:
+        return child
+    extra = {**child.get("kv_connector_extra_config", {}), "spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
+    return {**child, "kv_connector_extra_config": extra}
+
+
+def offloads_prefix(transfer: KVTransferConfig) -> bool:
+    """Whether ``transfer`` (as ``compose`` made it) runs vLLM's offloading connector."""
+    children = transfer.kv_connector_extra_config.get("connectors", [])
+    return any(child.get("kv_connector") == OFFLOADING for child in children)
 
 
 def compose(
@@ -135,7 +169,7 @@ def compose(
             )
     if not others:
         return KVTransferConfig(**own)
-    extra = {**base.kv_connector_extra_config, "connectors": [own, *others]}
+    extra = {**base.kv_connector_extra_config, "connectors": [own, *map(with_kvpolicy_spec, others)]}
     return KVTransferConfig(
         kv_connector=MULTI_CONNECTOR,
         kv_role=base.kv_role or "kv_both",

@@ -1,5 +1,6 @@
 """kvpolicy's connector beside the connectors a deployment names: one vLLM MultiConnector, kvpolicy's first,
-or a refusal at startup that says why (kvpolicy/vllm/connectors.py)."""
+vLLM's offloading connector with kvpolicy's offloading spec, or a refusal at startup that says why
+(kvpolicy/vllm/connectors.py)."""
 
 import pytest
 
@@ -8,6 +9,7 @@ from kvpolicy.vllm import args
 from kvpolicy.vllm.connector import KVPolicyConnectorMetadata, own_metadata
 from kvpolicy.vllm.connectors import MULTI_CONNECTOR, compose
 from kvpolicy.vllm.internals import EngineArgs, KVTransferConfig
+from kvpolicy.vllm.prefix_offload import SPEC_MODULE, SPEC_NAME
 
 OWN = {"kv_connector": args.CONNECTOR_NAME, "kv_role": "kv_both", "kv_connector_module_path": args.CONNECTOR_MODULE}
 EXAMPLE = {
@@ -15,6 +17,7 @@ EXAMPLE = {
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"shared_storage_path": "/s"},
 }
+OFFLOADING = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"x": 1}}
 OMNIKV = KVPolicyConfig(policy="omnikv", budget=128)
 ADASNAP = KVPolicyConfig(policy="adasnap", budget=128)
 
@@ -48,9 +51,13 @@ def test_a_multiconnector_gets_kvpolicys_connector_first_and_keeps_its_own_child
 @pytest.mark.parametrize(
     "child, config, on_cpu, message",
     [
-        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, OMNIKV, True, "runs on CUDA and XPU only"),
         ({"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both"}, OMNIKV, True, "CUDA and XPU only"),
-        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, ADASNAP, False, "start of the next step"),
+        (
+            {**OFFLOADING, "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec"}},
+            ADASNAP,
+            False,
+            "drop spec_name",
+        ),
         ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, ADASNAP, False, "end of the forward"),
         ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, ADASNAP, False, "prefill/decode"),
         ({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}, ADASNAP, False, "prefill/decode"),
@@ -63,7 +70,21 @@ def test_a_connector_that_cannot_run_beside_the_policy_is_refused_with_why(child
         compose(KVTransferConfig(**child), OWN, config, on_cpu=on_cpu)
 
 
-@pytest.mark.parametrize("name", ["OffloadingConnector", "LMCacheConnectorV1", "NixlConnector"])
+@pytest.mark.parametrize("config", [OMNIKV, ADASNAP], ids=["omnikv", "adasnap"])
+@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "cuda"])
+def test_vllms_offloading_connector_runs_with_kvpolicys_offloading_spec_and_its_own_settings(config, on_cpu):
+    offloading = children(compose(KVTransferConfig(**OFFLOADING), OWN, config, on_cpu=on_cpu))[1]
+    assert offloading["kv_connector_extra_config"] == {"x": 1, "spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
+
+
+def test_another_offloading_spec_runs_unchanged_beside_a_policy_that_leaves_blocks_alone_on_cuda():
+    tiering = {**OFFLOADING, "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec"}}
+    assert children(compose(KVTransferConfig(**tiering), OWN, OMNIKV, on_cpu=False))[1] == tiering
+    with pytest.raises(KVPolicyConfigError, match="drop spec_name"):
+        compose(KVTransferConfig(**tiering), OWN, OMNIKV, on_cpu=True)
+
+
+@pytest.mark.parametrize("name", ["LMCacheConnectorV1", "NixlConnector"])
 def test_a_policy_that_leaves_blocks_as_vllm_wrote_them_runs_beside_any_connector_that_runs_here(name):
     assert children(compose(KVTransferConfig(kv_connector=name, kv_role="kv_both"), OWN, OMNIKV, on_cpu=False))[1] == {
         "kv_connector": name,
@@ -73,9 +94,27 @@ def test_a_policy_that_leaves_blocks_as_vllm_wrote_them_runs_beside_any_connecto
 
 def test_kv_offloading_size_becomes_a_child_instead_of_replacing_kvpolicys_connector():
     engine_args = EngineArgs(model="m", kv_offloading_size=2.0)
-    with pytest.raises(KVPolicyConfigError, match="OffloadingConnector: vLLM's OffloadingConnector copies"):
-        args._prepare_engine_args(engine_args, ADASNAP)  # this machine's platform is vLLM's CPU one
+    args._prepare_engine_args(engine_args, ADASNAP)
     assert engine_args.kv_offloading_size is None
+    offloading = children(engine_args.kv_transfer_config)[1]
+    assert offloading["kv_connector"] == "OffloadingConnector"
+    assert offloading["kv_connector_extra_config"]["spec_name"] == SPEC_NAME
+    # Which stores came after a relocation is known only if each step's report is read before the next is scheduled.
+    assert engine_args.async_scheduling is False
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"async_scheduling": True, "enable_prefix_caching": False}, "needs vLLM's synchronous scheduler"),
+        ({"pipeline_parallel_size": 2}, "cannot run beside OffloadingConnector with --pipeline-parallel-size 2"),
+    ],
+    ids=["async", "pipeline"],
+)
+def test_the_offloading_connector_beside_a_rewriting_policy_needs_each_steps_report_before_the_next(flags, message):
+    engine_args = EngineArgs(model="m", kv_transfer_config=KVTransferConfig(**OFFLOADING), **flags)
+    with pytest.raises(KVPolicyConfigError, match=message):
+        args._prepare_engine_args(engine_args, ADASNAP)
 
 
 def test_the_engine_args_path_composes_a_named_connector():
