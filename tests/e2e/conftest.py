@@ -67,3 +67,20 @@ def engine_run(model_path, tmp_path_factory):
         return done[key]
 
     return run
+
+
+def shared_prefix_args(policy: str, *flags: str) -> tuple[str, ...]:
+    """``engine_run`` flags for prompts after a shared 2,000-token prefix (the first alone, then the rest at once)."""
+    from kvpolicy.policies import POLICIES
+
+    budget = ("--budget", "256") if POLICIES[policy].needs_budget else ()
+    return ("--policy", policy, *budget, "--max-model-len", "4096", "--shared-prefix", "2000", *flags)
+
+
+def assert_same_outputs(off: dict, on: dict, atol: float = 1e-3) -> None:
+    """Two ``engine_run`` results give the same tokens, and logprobs within ``atol``."""
+    for cold, warm in zip(off["requests"], on["requests"], strict=True):
+        assert warm["token_ids"] == cold["token_ids"]
+        for cold_step, warm_step in zip(cold["logprobs"], warm["logprobs"]):
+            assert warm_step.keys() == cold_step.keys()
+            assert all(abs(warm_step[t] - cold_step[t]) <= atol for t in cold_step)

@@ -1,21 +1,38 @@
 """kvpolicy beside another KV connector in vLLM's MultiConnector, on the real engine.
 
 vLLM's example connector saves each new prompt's KV to files and loads it
-for a prompt it has seen (external tokens, like a prefix-cache hit); it runs
-on vLLM's CPU platform, where the offloading connectors do not. Beside
+for a prompt it has seen (external tokens, like a prefix-cache hit). Beside
 ``omnikv`` (which leaves blocks as vLLM wrote them) one engine saves with
 prefix caching on, a second engine on the same files loads, and both give
 the outputs of ``omnikv`` alone, with kvpolicy's counters reported through
 the MultiConnector and every block free. Beside ``adasnap``, which packs
 pages into the blocks that connector saves, the engine refuses to start and
 says why (kvpolicy/vllm/connectors.py).
+
+vLLM's offloading connector runs with kvpolicy's offloading spec
+(kvpolicy/vllm/prefix_offload.py) beside ``adasnap`` with prefix caching on:
+a prompt after a shared prefix loads from host chunks the prefix blocks the
+first request's packing took out of the prefix cache, and gives the outputs
+of the run without the connector; blocks copied after a relocation never
+reach a later prompt.
 """
 
 import json
 
 import pytest
 
+from tests.e2e.conftest import assert_same_outputs, shared_prefix_args
+
 pytestmark = pytest.mark.engine
+
+OFFLOADING = json.dumps(
+    {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 28},
+    }
+)
+BLOCK_SIZE = 128
 
 #: Prompts read in one step each: the example connector saves a prompt's every block when first scheduled.
 RUN = ("--max-tokens", "6", "--prompt-lens", "40", "129", "300", "--chunk", "2048")
@@ -51,3 +68,44 @@ def test_a_connector_that_would_save_packed_pages_is_refused_at_startup(engine_r
     beside = example_connector(tmp_path)
     refused = engine_run("--policy", "adasnap", "--budget", "64", *RUN, "--kv-transfer-config", beside, fails=True)
     assert "cannot run beside ExampleConnector" in refused
+
+
+#: The second prompt's cached prefix blocks without and with the connector, policy by policy, as
+#: test_prefix_caching.py runs them (its runs without the connector are the same runs).
+SECOND_PROMPT_BLOCKS = [
+    (("adasnap",), 13, 15),
+    (("pod", "--recent-tokens", "128", "--pod-delta", "0.5"), 3, 15),
+    (("omnikv", "--offload", "1"), 10, 15),
+]
+
+
+@pytest.mark.parametrize(
+    "policy, alone_blocks, beside_blocks", SECOND_PROMPT_BLOCKS, ids=["adasnap", "pod", "omnikv-offload"]
+)
+def test_the_offloading_connector_serves_prefix_blocks_that_a_policy_took_out_of_the_prefix_cache(
+    engine_run, policy, alone_blocks, beside_blocks
+):
+    """Read 256 tokens a step, the first prompt's blocks up to its last step are copied to host chunks before
+    the policy writes pages into some of them (relocation, PoD's layout, OmniKV's offload); the second prompt
+    finds the rest of its prefix there."""
+    run = shared_prefix_args(policy[0], *policy[1:], "--prompt-lens", "100", "150", "--prefix-caching")
+    alone = engine_run(*run)
+    beside = engine_run(*run, "--kv-transfer-config", OFFLOADING)
+    assert [r["cached_tokens"] for r in alone["requests"]] == [0, alone_blocks * BLOCK_SIZE]
+    assert [r["cached_tokens"] for r in beside["requests"]] == [0, beside_blocks * BLOCK_SIZE]
+    assert beside["prefix_cache_hits"] == alone["prefix_cache_hits"]  # the other blocks came from the connector
+    assert beside["counters"]["released_blocks"] == alone["counters"]["released_blocks"] > 0
+    assert_same_outputs(alone, beside)
+    assert beside["kv_cache_usage_end"] == 0
+
+
+def test_blocks_copied_after_their_prompt_was_packed_never_reach_a_later_prompt(engine_run):
+    """Each prompt read in one step: every block of the first is copied at the start of the step after the one
+    that packed it, and kvpolicy's spec drops those copies. Without that (measured by disabling it), the second
+    prompt loaded 15 blocks of the first's pages as its prefix and its tokens differed."""
+    run = shared_prefix_args("adasnap", "--prompt-lens", "100", "150", "--prefix-caching", "--chunk", "4096")
+    alone = engine_run(*run)
+    beside = engine_run(*run, "--kv-transfer-config", OFFLOADING)
+    assert [r["cached_tokens"] for r in beside["requests"]] == [r["cached_tokens"] for r in alone["requests"]]
+    assert_same_outputs(alone, beside)
+    assert beside["kv_cache_usage_end"] == 0

@@ -16,27 +16,16 @@ import time
 import pytest
 
 from benchmarks.server import scrape
-from kvpolicy.policies import POLICIES
-from tests.e2e.conftest import SERVED_NAME
+from tests.e2e.conftest import SERVED_NAME, assert_same_outputs, shared_prefix_args
 
-SHARED_PREFIX = "2000"
 BLOCK_SIZE = 128
 
 
 def shared_prefix_runs(engine_run, policy: str, *flags: str) -> tuple[dict, dict]:
     """The same prompts (a 2,000-token prefix, then their own tails; the first alone, then the rest at
     once) with prefix caching off and on."""
-    budget = ("--budget", "256") if POLICIES[policy].needs_budget else ()
-    args = ("--policy", policy, *budget, "--max-model-len", "4096", "--shared-prefix", SHARED_PREFIX, *flags)
+    args = shared_prefix_args(policy, *flags)
     return engine_run(*args), engine_run(*args, "--prefix-caching")
-
-
-def assert_same_outputs(off: dict, on: dict, atol: float = 1e-3) -> None:
-    for cold, warm in zip(off["requests"], on["requests"], strict=True):
-        assert warm["token_ids"] == cold["token_ids"]
-        for cold_step, warm_step in zip(cold["logprobs"], warm["logprobs"]):
-            assert warm_step.keys() == cold_step.keys()
-            assert all(abs(warm_step[t] - cold_step[t]) <= atol for t in cold_step)
 
 
 def test_a_prompt_after_a_cached_prefix_hits_it_and_compresses_to_the_same_output(engine_run):
