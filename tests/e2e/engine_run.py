@@ -184,6 +184,11 @@ def main() -> int:
     parser.add_argument(
         "--ops", choices=("cpu", "triton"), default=None, help="kvpolicy's ops (triton: interpreted on CPU)"
     )
+    parser.add_argument(
+        "--torch-paths",
+        action="store_true",
+        help="cpu ops: the torch paths kvpolicy takes where vLLM's ISA packs pages non-affinely (AMX)",
+    )
     parser.add_argument("--abort-after", type=int, default=None, help="abort the longest request after this many steps")
     parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching")
     parser.add_argument("--no-reserve-growth", action="store_true", help="--kv-reserve-growth false: vLLM's admission")
@@ -225,6 +230,11 @@ def main() -> int:
         os.environ["VLLM_PLUGINS"] = ""
     else:
         import kvpolicy.vllm  # noqa: F401  (LLM(kv_policy=...) needs the options registered)
+
+        if args.torch_paths:
+            from kvpolicy.vllm.ops import cpu
+
+            cpu.cpu_geometry = lambda layout, cache: None  # as for a layout the C++ ops cannot address
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -1,12 +1,18 @@
-"""The GPU path run end to end without a GPU: the real engine with kvpolicy's Triton ops instead of the CPU ops.
+"""kvpolicy's other tensor paths run end to end against the CPU ops: the real engine, the same requests.
 
-The kernels run in Triton's interpreter on the CPU cache (``KVPOLICY_OPS=triton``,
-``TRITON_INTERPRET=1``), so every per-head write, attention call, token move and
-score of these runs goes through ``triton_kernels/``; stock rows too, in steps
-that mix them with per-head rows. The model is a tiny random-weight Llama made
-locally (3 layers, 4 query heads over 2 KV heads, head size 32): interpreted
-kernels are slow, and OmniKV needs a layer after its filter layer's neighbour.
-Tokens must match the CPU ops run exactly; logprobs to float rounding.
+* The GPU path without a GPU: kvpolicy's Triton ops in Triton's interpreter on the
+  CPU cache (``KVPOLICY_OPS=triton``, ``TRITON_INTERPRET=1``), so every per-head
+  write, attention call, token move and score goes through ``triton_kernels/``;
+  stock rows too, in steps that mix them with per-head rows.
+* The CPU ops' torch paths, which kvpolicy takes where vLLM's CPU ISA packs KV
+  pages non-affinely (AMX, for bfloat16 on recent Xeons) and its C++ ops cannot
+  address them: forced here on this machine's affine pages (``--torch-paths``),
+  so every token move, gather and attention reads pages through the offset tables.
+
+The model is a tiny random-weight Llama made locally (3 layers, 4 query heads
+over 2 KV heads, head size 32): interpreted kernels are slow, and OmniKV needs
+a layer after its filter layer's neighbour. Tokens must match the CPU ops run
+exactly; logprobs to float rounding.
 """
 
 import json
@@ -26,6 +32,8 @@ POLICIES = {
 }
 #: PoD's grouping of the tiny model: KV head 0 shares layer 0's distant logits with layers 1-2, head 1 layer 1's with 2.
 POD_GROUPS = [[[0, 1, 2]], [[0], [1, 2]]]
+#: flags of each other path -> the ops class it runs
+OTHER_OPS = {"triton": (("--ops", "triton"), "TritonOps"), "torch-paths": (("--torch-paths",), "CPUOps")}
 LOGPROB_TOLERANCE = 1e-3  # fp32 model and cache; the kernels sum in another order than vLLM's CPU attention
 
 
@@ -42,19 +50,21 @@ def pod_groups(tmp_path_factory) -> str:
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("ops", sorted(OTHER_OPS))
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_triton_ops_in_the_engine_agree_with_the_cpu_ops(engine_run, tiny_model, pod_groups, policy):
+def test_other_ops_in_the_engine_agree_with_the_cpu_ops(engine_run, tiny_model, pod_groups, policy, ops):
     args = (*POLICIES[policy], *(("--pod-groups", pod_groups) if policy == "pod" else ()), *RUN)
+    flags, ops_class = OTHER_OPS[ops]
     cpu = engine_run(*args, model=tiny_model)
-    triton = engine_run(*args, "--ops", "triton", model=tiny_model)
-    assert (cpu["ops"], triton["ops"]) == ("CPUOps", "TritonOps")
+    other = engine_run(*args, *flags, model=tiny_model)
+    assert (cpu["ops"], other["ops"]) == ("CPUOps", ops_class)
     if policy == "pod":
         assert cpu["counters"]["pod_layouts"] > 0, "a prompt was laid out and decoded on the sharing path"
-    for i, (a, b) in enumerate(zip(cpu["requests"], triton["requests"], strict=True)):
+    for i, (a, b) in enumerate(zip(cpu["requests"], other["requests"], strict=True)):
         assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
         for step, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"], strict=True)):
             assert x.keys() == y.keys(), f"request {i}, step {step}: top tokens differ"
             worst = max(abs(x[t] - y[t]) for t in x)
             assert worst <= LOGPROB_TOLERANCE, f"request {i}, step {step}: logprobs differ by {worst}"
-    assert triton["counters"] == cpu["counters"], "the same requests were relocated, compressed and released"
-    assert triton["kv_cache_usage_end"] == 0.0, "every block is free again after the run"
+    assert other["counters"] == cpu["counters"], "the same requests were relocated, compressed and released"
+    assert other["kv_cache_usage_end"] == 0.0, "every block is free again after the run"
