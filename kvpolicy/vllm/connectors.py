@@ -127,8 +127,9 @@ def _offloading_spec(child: dict[str, Any]) -> str:
 
 
 def with_kvpolicy_spec(child: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's offloading connector on vLLM's own spec, given kvpolicy's (``prefix_offload.py``); others unchanged."""
-    if child.get("kv_connector") != OFFLOADING or _offloading_spec(child) != VLLM_OFFLOADING_SPEC:
+    """vLLM's offloading connector on vLLM's own spec (or kvpolicy's, by name), given kvpolicy's
+    (``prefix_offload.py``); others unchanged."""
+    if child.get("kv_connector") != OFFLOADING or _offloading_spec(child) not in (VLLM_OFFLOADING_SPEC, SPEC_NAME):
         return child
     extra = {**child.get("kv_connector_extra_config", {}), "spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
     return {**child, "kv_connector_extra_config": extra}
