@@ -143,11 +143,15 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
     # before's report; a request admitted then may hit the prefix cache on blocks that step relocated
     # into, whose hashes leave the cache only with the report (connector.py), and the offloading
     # connector would not know which of its copies came after a relocation (relocations.py).
-    if config.rewrites_blocks and (engine_args.enable_prefix_caching is not False or offloading):
+    prefix_caching = engine_args.enable_prefix_caching is not False
+    if config.rewrites_blocks and (prefix_caching or offloading):
         if engine_args.async_scheduling:
+            reasons = [
+                name for name, on in (("prefix caching", prefix_caching), ("OffloadingConnector", offloading)) if on
+            ]
             raise KVPolicyConfigError(
-                f"--kv-policy {config.policy} with prefix caching or OffloadingConnector needs vLLM's synchronous "
-                "scheduler; drop --async-scheduling or add --no-enable-prefix-caching without the connector"
+                f"--kv-policy {config.policy} with {' and '.join(reasons)} needs vLLM's synchronous scheduler; "
+                f"drop --async-scheduling{'' if offloading else ' or add --no-enable-prefix-caching'}"
             )
         engine_args.async_scheduling = False
     if config.rewrites_blocks:

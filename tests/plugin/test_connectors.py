@@ -106,7 +106,10 @@ def test_kv_offloading_size_becomes_a_child_instead_of_replacing_kvpolicys_conne
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"async_scheduling": True, "enable_prefix_caching": False}, "needs vLLM's synchronous scheduler"),
+        (
+            {"async_scheduling": True, "enable_prefix_caching": False},
+            "with OffloadingConnector needs vLLM's synchronous scheduler; drop --async-scheduling$",
+        ),
         ({"pipeline_parallel_size": 2}, "cannot run beside OffloadingConnector with --pipeline-parallel-size 2"),
     ],
     ids=["async", "pipeline"],
