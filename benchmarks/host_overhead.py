@@ -55,14 +55,14 @@ import torch
 from tqdm import tqdm
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # TritonOps refuses to start without a GPU otherwise; no kernel runs
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 import kvpolicy.vllm.ops.triton as triton_ops  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from kvpolicy.config import KVPolicyConfig  # noqa: E402
-from kvpolicy.vllm.modes.relocate_path import PerHeadPath  # noqa: E402
+from kvpolicy.vllm.modes import StepShape, make_mode, make_path  # noqa: E402
 from kvpolicy.vllm.ops import staging  # noqa: E402
-from kvpolicy.vllm.state import WORKER_STATE  # noqa: E402
+from kvpolicy.vllm.state import WorkerState  # noqa: E402
 from kvpolicy.vllm.step_builder import StepBuilder  # noqa: E402
 
 SHAPE = {"num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16}
@@ -183,20 +183,21 @@ class SyntheticEngine:
         self.table_rows: list[str | None] = []
         caches = [torch.empty(1, heads, block, 2 * SHAPE["head_size"], dtype=DTYPE)] * layers
         self.runner = SimpleNamespace(requests=self.requests, input_batch=SimpleNamespace(req_ids=[]), kv_caches=caches)
-        WORKER_STATE.configure(KVPolicyConfig(policy=policy, budget=budget, page_pool="layer"), self.runner)
-        impl = SimpleNamespace(
-            alibi_slopes=None, sinks=None, logits_soft_cap=None, scale=SHAPE["head_size"] ** -0.5, num_kv_heads=heads
-        )
-        self.ops = triton_ops.TritonOps(impl)
-        self.path = PerHeadPath(self.ops)
-        self.builder = StepBuilder(
+        self.worker = WorkerState.of(KVPolicyConfig(policy=policy, budget=budget, page_pool="layer"), self.runner)
+        self.worker.mode = make_mode(self.worker)
+        impl = SimpleNamespace(scale=SHAPE["head_size"] ** -0.5, num_kv_heads=heads)
+        self.layers = [SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn", impl=impl) for i in range(layers)]
+        self.ops = triton_ops.TritonOps()
+        shape = StepShape(
             num_layers=layers,
-            num_heads=SHAPE["num_heads"],
             num_kv_heads=heads,
+            queries_per_kv=SHAPE["num_heads"] // heads,
             block_size=block,
             max_model_len=2 * CONTEXT,
             plan=self.ops.plan,
         )
+        mode = self.worker.mode
+        self.builder = StepBuilder(self.worker, mode, make_path(mode, self.ops), self.ops, shape)
         self.rng = np.random.default_rng(0)
 
     def add_request(self, req_id: str, computed: int, compressed: bool) -> None:
@@ -213,11 +214,11 @@ class SyntheticEngine:
         )
         if compressed:
             layers, heads, block = SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["block_size"]
-            pages = WORKER_STATE.mode.new_pages(table[: -(-CONTEXT // block)], None, None, self.builder.shape)
+            pages = self.worker.mode.new_pages(table[: -(-CONTEXT // block)], None, None, self.builder.shape)
             for layer, counts in enumerate(uneven_head_lengths(self.rng, layers, heads, BUDGET)):
                 pages.relocate(layer, [torch.arange(int(n)) for n in counts])
             pages.release_except(pages.blocks_to_keep(CONTEXT))  # the spare blocks go back to vLLM, as after relocation
-            WORKER_STATE.mode.track(req_id).pages = pages
+            self.worker.mode.track(req_id).pages = pages
 
     def metadata(self, rows: list[tuple[str, int]]) -> SimpleNamespace:
         """vLLM's metadata of a step whose rows are (request, new tokens); advances each request by them."""
@@ -259,20 +260,19 @@ class SyntheticEngine:
         key = torch.zeros(tokens, kv_heads, head_size, dtype=DTYPE)
         out = torch.empty_like(query)
         cache = self.runner.kv_caches[0]
-        layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
         start = time.perf_counter()
-        step = self.builder.build(cam)
-        self.ops.stage(step)  # as the backends' metadata builders do
+        step = self.builder.build(cam)  # staged, as the backends' metadata builders do
         built = time.perf_counter()
-        for layer_idx in range(SHAPE["num_layers"]):  # as ``KVPolicyAttention`` dispatches; vLLM's own calls left out
-            if step.per_head is not None:
-                self.path.write(layer, layer_idx, key, key, cache, step.per_head)
-            if step.per_head is not None or step.summed:
-                self.path.attend(layer, layer_idx, query, out, cache, step)
-            self.path.after_attention(layer, layer_idx, query, cache, step)
+        for layer in self.layers:  # as ``KVPolicyAttention`` runs a step; vLLM's own calls left out
+            step.write(layer, key, key, cache, platform_nothing)
+            step.attend(layer, query, out, cache, platform_nothing)
         done = time.perf_counter()
-        WORKER_STATE.releases.clear()
+        self.worker.releases.clear()
         return built - start, done - built
+
+
+def platform_nothing(*_) -> None:
+    """vLLM's own write and attention, left out of what is timed."""
 
 
 def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:

@@ -35,14 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.paging import OffloadedRequest, RequestPages
-from kvpolicy.policies import POLICIES, Mode
 from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
     block_sharing,
     held_blocks,
     release_blocks_except,
@@ -50,9 +47,9 @@ from kvpolicy.vllm.internals import (
     stop_caching,
 )
 from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
+from kvpolicy.vllm.releases import BlockReleases
 from kvpolicy.vllm.relocations import RELOCATIONS
-from kvpolicy.vllm.stage import STAGE
-from kvpolicy.vllm.state import WORKER_STATE
+from kvpolicy.vllm.state import WorkerState
 
 
 @dataclass
@@ -72,30 +69,6 @@ def own_metadata(metadata: KVConnectorMetadata | None) -> KVPolicyConnectorMetad
     return None
 
 
-@dataclass
-class BlockReleases(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: of its first ``seen[req]`` block-table positions (those the step had),
-    a relocated request holds only ``keep[req]``."""
-
-    keep: dict[str, set[int]]
-    seen: dict[str, int]
-
-    def aggregate(self, other: BlockReleases) -> BlockReleases:
-        # Tensor-parallel ranks hold different heads: keep what any rank needs.
-        for req_id, keep in other.keep.items():
-            self.keep[req_id] = keep | self.keep.get(req_id, set())
-            self.seen[req_id] = min(other.seen[req_id], self.seen.get(req_id, other.seen[req_id]))
-        return self
-
-
-def _release(request: RequestPages | OffloadedRequest, keep: set[int], counters) -> None:
-    """A request stops using its blocks but ``keep``; count them, and the most it held before."""
-    counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], request.live_blocks())
-    released = request.release_except(keep)
-    counters["released_blocks"] += released
-    counters["released_bytes"] += released * WORKER_STATE.block_bytes
-
-
 class KVPolicyConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
@@ -105,6 +78,12 @@ class KVPolicyConnector(KVConnectorBase_V1):
         self._relocated: dict[str, Any] = {}
         self._max_model_len = vllm_config.model_config.max_model_len
         self._block_size = vllm_config.cache_config.block_size
+        # Worker side: the worker's state, bound by the worker hook (``bind_worker``).
+        self._worker: WorkerState | None = None
+
+    def bind_worker(self, worker: WorkerState) -> None:
+        """The worker's kvpolicy state, whose releases and counters this connector reports."""
+        self._worker = worker
 
     # Scheduler side: no external KV, nothing to load.
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -112,9 +91,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         config = stored_config(self._vllm_config.additional_config)
         if config is not None and config.reserve_growth:
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
-        self._moves_after_prompt = config is not None and (
-            POLICIES[config.policy].mode is Mode.SHARE or config.offload is not None
-        )
+        self._moves_after_prompt = config is not None and config.moves_after_prompt
 
     def growth_blocks(self) -> int:
         """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``)."""
@@ -179,34 +156,14 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> BlockReleases | None:
         """After the step's forward: every layer is relocated, so tail blocks can go."""
-        keep_blocks, seen = {}, {}
-        counters = WORKER_STATE.counters
-        for req_id, release in WORKER_STATE.releases.items():
-            pages = release.pages
-            keep = keep_blocks[req_id] = (
-                release.keep if release.keep is not None else pages.blocks_to_keep(release.length)
-            )
-            seen[req_id] = len(pages.blocks)
-            _release(pages, keep, counters)
-            if release.keep is not None:
-                continue  # an offload: its sparse layers went to the host pool
-            if not release.prompt_done:
-                counters["eviction_passes"] += 1
-                continue
-            counters["relocated_requests"] += 1
-            counters["kept_kv_tokens"] += pages.kept_tokens()
-            prompt_len = WORKER_STATE.runner.requests[req_id].num_prompt_tokens
-            prompt_tokens = prompt_len * pages.num_layers * pages.num_heads
-            counters["prompt_kv_tokens"] += prompt_tokens
-            counters["compressed_requests"] += pages.kept_tokens() < prompt_tokens
-            counters["held_kv_pages"] += len(keep) * pages.num_layers * pages.num_heads
-            counters["ideal_kv_pages"] += pages.kept_tokens() / pages.block_size
-        WORKER_STATE.releases.clear()
-        return BlockReleases(keep_blocks, seen) if keep_blocks else None
+        return None if self._worker is None else self._worker.take_releases()
 
     def get_kv_connector_stats(self) -> KVPolicyStats | None:
-        report = WORKER_STATE.take_report()
-        if WORKER_STATE.tp_rank or STAGE.rank:
+        worker = self._worker
+        if worker is None:  # the scheduler's side counts nothing
+            return None
+        report = worker.take_report()
+        if worker.tp_rank or worker.pipeline_rank:
             # Every rank and stage sees the same requests and blocks: those counts come from the first only.
             report = {key: value for key, value in report.items() if key not in PER_REQUEST}
         return KVPolicyStats(data=report) if report else None

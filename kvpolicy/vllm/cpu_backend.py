@@ -1,8 +1,9 @@
 """The CPU backend: vLLM's CPU attention plus kvpolicy's step, registered over ``CPU_ATTN``.
 
-Sibling of ``cuda_backend.py``: both attach the step that ``StepBuilder``
-makes to their platform's metadata, and both mix ``KVPolicyAttention`` into
-their platform's impl; only the ops differ (``KVPOLICY_OPS``, default ``cpu``).
+Sibling of ``cuda_backend.py``: both attach the step that their builder's
+``StepBuilder`` makes to their platform's metadata, and both mix
+``KVPolicyAttention`` into their platform's impl; only the ops differ
+(``KVPOLICY_OPS``, default ``cpu``).
 """
 
 from __future__ import annotations
@@ -12,22 +13,17 @@ from dataclasses import dataclass
 
 from kvpolicy.vllm.attention import KVPolicyAttention
 from kvpolicy.vllm.internals import CPU_ATTN_MODULE
+from kvpolicy.vllm.modes.base import StepShape
 from kvpolicy.vllm.ops import ops_name
 from kvpolicy.vllm.step import Step
-from kvpolicy.vllm.step_builder import StepBuilder
+from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
 
 _cpu_attn = importlib.import_module(CPU_ATTN_MODULE)
 
 
-def make_ops(impl=None, builder=None):
-    """The ops this backend runs: vLLM's CPU kernels, or kvpolicy's Triton kernels (interpreted on CPU)."""
-    if ops_name("cpu") == "triton":
-        from kvpolicy.vllm.ops.triton import TritonOps
-
-        return TritonOps(impl)
-    from kvpolicy.vllm.ops.cpu import CPUOps
-
-    return CPUOps(impl, builder)
+def uses_triton() -> bool:
+    """Whether this backend runs kvpolicy's Triton kernels (interpreted on CPU) instead of vLLM's CPU kernels."""
+    return ops_name("cpu") == "triton"
 
 
 @dataclass
@@ -47,32 +43,38 @@ class KVPolicyCPUBackend(_cpu_attn.CPUAttentionBackend):
         return KVPolicyCPUMetadataBuilder
 
 
-class KVPolicyCPUMetadataBuilder(_cpu_attn.CPUAttentionMetadataBuilder):
+class KVPolicyCPUMetadataBuilder(KVPolicyMetadataBuilder, _cpu_attn.CPUAttentionMetadataBuilder):
+    metadata_cls = KVPolicyCPUMetadata
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.ops = ops = make_ops(builder=self)
-        self.steps = StepBuilder(
-            num_layers=vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            block_size=self.block_size,
-            max_model_len=vllm_config.model_config.max_model_len,
-            plan=ops.plan,
-            sums_prompts=ops.sums_prompts,
-        )
+        self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        if uses_triton():
+            from kvpolicy.vllm.ops.triton import TritonOps
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self.is_cross_attention or self.is_encoder_only_attention:
-            return metadata
-        step = self.steps.build(common_attn_metadata)
-        if step is None:
-            return metadata
-        self.ops.stage(step)
-        return KVPolicyCPUMetadata(**vars(metadata), step=step)
+            self.ops = TritonOps()
+        else:
+            from kvpolicy.vllm.ops.cpu import CPUOps
+
+            self.ops = CPUOps(self)
+
+    def step_shape(self) -> StepShape:
+        return StepShape(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            queries_per_kv=self.num_heads // self.num_kv_heads,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            plan=self.ops.plan,
+            sums_prompts=self.ops.sums_prompts,
+        )
 
 
 class KVPolicyCPUImpl(KVPolicyAttention, _cpu_attn.CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.use_ops(make_ops(impl=self))
+        if uses_triton():
+            from kvpolicy.vllm.ops.triton import TritonOps
+
+            TritonOps.check_impl(self)

@@ -2,7 +2,7 @@
 
 Sibling of ``cpu_backend.py``: stock rows and steps with no kvpolicy work run
 vLLM's own Triton attention (``super()``); per-head and selection rows run
-kvpolicy's Triton kernels through ``TritonOps``. The per-head step is built on
+kvpolicy's Triton kernels through the builder's ``TritonOps``. The per-head step is built on
 the host every step (page tables change as policies relocate), so while a
 policy changes attention the builder reports no CUDA graph support for
 attention: vLLM then keeps piecewise CUDA graphs for everything else and runs
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.attention import KVPolicyAttention
 from kvpolicy.vllm.internals import TRITON_ATTN_MODULE, AttentionCGSupport
+from kvpolicy.vllm.modes.base import StepShape
 from kvpolicy.vllm.ops.triton import TritonOps
 from kvpolicy.vllm.step import Step
-from kvpolicy.vllm.step_builder import StepBuilder
+from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
 
 _triton_attn = importlib.import_module(TRITON_ATTN_MODULE)
 logger = logging.getLogger(__name__)
@@ -44,7 +45,9 @@ class KVPolicyTritonBackend(_triton_attn.TritonAttentionBackend):
         return KVPolicyTritonMetadataBuilder
 
 
-class KVPolicyTritonMetadataBuilder(_triton_attn.TritonAttentionMetadataBuilder):
+class KVPolicyTritonMetadataBuilder(KVPolicyMetadataBuilder, _triton_attn.TritonAttentionMetadataBuilder):
+    metadata_cls = KVPolicyTritonMetadata
+
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
         config = stored_config(vllm_config.additional_config)
@@ -59,27 +62,22 @@ class KVPolicyTritonMetadataBuilder(_triton_attn.TritonAttentionMetadataBuilder)
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        model_config = vllm_config.model_config
+        self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        self.max_model_len = vllm_config.model_config.max_model_len
         self.ops = TritonOps()
-        self.steps = StepBuilder(
-            num_layers=model_config.get_num_layers(vllm_config.parallel_config),
-            num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
-            num_kv_heads=kv_cache_spec.num_kv_heads,
-            block_size=kv_cache_spec.block_size,
-            max_model_len=model_config.max_model_len,
+
+    def step_shape(self) -> StepShape:
+        return StepShape(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_heads_kv,
+            queries_per_kv=self.num_heads_q // self.num_heads_kv,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
             plan=self.ops.plan,
         )
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        step = self.steps.build(common_attn_metadata)
-        if step is None:
-            return metadata
-        self.ops.stage(step)
-        return KVPolicyTritonMetadata(**vars(metadata), step=step)
 
 
 class KVPolicyTritonImpl(KVPolicyAttention, _triton_attn.TritonAttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.use_ops(TritonOps(self))
+        TritonOps.check_impl(self)

@@ -166,6 +166,25 @@ def host_batch_tensors(cam, runner) -> tuple[torch.Tensor, torch.Tensor]:
     return seq_lens, runner.input_batch.block_table[0].get_cpu_tensor()[:num_reqs]
 
 
+def attention_metadata_builders(runner):
+    """Every attention metadata builder of a model runner (made by ``initialize_kv_cache``): the V1
+    runner's ``attn_groups`` (one list per KV-cache group), each group's ``metadata_builders`` (one per
+    micro-batch)."""
+    for groups in runner.attn_groups:
+        for group in groups:
+            yield from group.metadata_builders
+
+
+def worker_connectors():
+    """This worker's KV connectors (made by ``ensure_kv_transfer_initialized`` in the worker's
+    ``initialize_from_config``): the configured one, and each child of vLLM's ``MultiConnector``
+    (``MultiConnector.sub_connectors``)."""
+    if not has_kv_transfer_group():
+        return []
+    connector = get_kv_transfer_group()
+    return [connector, *getattr(connector, "sub_connectors", ())]
+
+
 def tensor_parallel_gather():
     """``(rank, size, gather)`` of this worker's tensor-parallel group; ``gather`` stacks every rank's
     CPU tensor along dim 0 over the group's gloo communicator (``GroupCoordinator.cpu_group``), which
@@ -218,6 +237,7 @@ __all__ = [
     "AsyncEngineArgs",
     "AttentionBackendEnum",
     "AttentionCGSupport",
+    "attention_metadata_builders",
     "CPU_ATTN_MODULE",
     "CPU_RESERVED_CORES_ENV",
     "CPU_WORKER_MODULE",
@@ -265,4 +285,5 @@ __all__ = [
     "release_blocks_except",
     "stop_caching",
     "tensor_parallel_gather",
+    "worker_connectors",
 ]

@@ -1,23 +1,24 @@
-"""What one worker process knows, whatever mode its policy runs in: shared by its backend, worker hook and connector.
+"""What one worker process knows, whatever mode its policy runs in.
 
-The state of each request lives in the active mode (``kvpolicy/vllm/modes/``):
-``WorkerState.mode`` is that one object, made by ``configure``.
+The worker hook (``worker.py``) makes one ``WorkerState`` per worker and its policy's mode over it
+(``modes.make_mode``), then hands both out explicitly: the metadata builders build each step with the
+mode and attach the mode's path to it, which every attention layer runs; kvpolicy's connector reads the
+step's block releases and the counters here. No module holds it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.paging import OffloadedRequest, RequestPages, SharedPages, write_order
+from kvpolicy.paging import write_order
 from kvpolicy.policies import HeadGroup, Policy
-
-if TYPE_CHECKING:
-    from kvpolicy.vllm.modes.base import ModeState
+from kvpolicy.vllm.internals import extract_layer_index
+from kvpolicy.vllm.releases import BlockRelease, BlockReleases
 
 
 @dataclass(frozen=True)
@@ -55,64 +56,54 @@ class PageSpace:
         return cls(pages, bases)
 
 
-@dataclass(frozen=True)
-class BlockRelease:
-    """A request whose pages changed this step: after the forward, the connector hands vLLM back the
-    blocks it no longer holds.
-
-    ``keep``: the block-table positions it keeps, when the step's plan fixed them (an offload); else
-    ``pages.blocks_to_keep(length)`` once every layer has moved, with ``length`` its length after the
-    step when its prompt is read whole. ``prompt_done``: its prompt was relocated or laid out (else an
-    eviction pass, or an offload).
-    """
-
-    pages: RequestPages | SharedPages | OffloadedRequest
-    keep: set[int] | None = None
-    length: int | None = None
-    prompt_done: bool = False
-
-
 @dataclass
 class WorkerState:
     """Per worker process: the configuration and policy, the model runner (to map batch rows to
-    request ids), tensor parallelism, the page space over vLLM's KV buffer, the scheduler's word on
-    shared blocks, the step's block releases, counters for the metrics, and the active mode."""
+    request ids), tensor and pipeline parallelism, the page space over vLLM's KV buffer, the scheduler's
+    word on shared blocks, the step's block releases, counters for the metrics, and the active mode
+    (any object with ``forget`` and ``held_pages``: ``modes.ModeState``)."""
 
     config: KVPolicyConfig | None = None
     policy: Policy | None = None
     runner: Any = None
     #: The active mode's worker side and its requests; None while every row takes the stock path.
-    mode: ModeState | None = None
+    mode: Any = None
     #: This step's prompts with blocks other requests read or in the prefix cache: req id -> (shared, cached)
     #: block-table positions (``KVPolicyConnectorMetadata``).
     block_sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     #: This step's requests whose pages changed, for the connector (``BlockRelease``).
     releases: dict[str, BlockRelease] = field(default_factory=dict)
     family: dict[str, Policy] = field(default_factory=dict)  # other policies of the family, by name
-    ops: str | None = None  # the backend's KVOps class, for logs and tests
+    ops: str | None = None  # the builders' KVOps class, for logs and tests
     tp_rank: int = 0
     #: This rank's share of every layer's KV heads for layer-wide choices, under --kv-tp-allocation exact.
     head_group: HeadGroup | None = None
+    #: The pipeline stage: its rank, and the model's index of its first layer. A stage holds, writes and
+    #: compresses only its own layers, counted from there; requests are counted by the first stage only.
+    pipeline_rank: int = 0
+    first_layer: int = 0
     _page_space: PageSpace | None = None
+    _layer_indices: dict[str, int] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
     _reported_memory: dict[str, int] = field(default_factory=dict)
 
-    def configure(self, config: KVPolicyConfig | None, runner: Any, tensor_parallel=None) -> None:
-        """``tensor_parallel``: ``(rank, size, gather)`` of the worker's tensor-parallel group, if any."""
-        from kvpolicy.vllm.modes import mode_state  # the modes read this module's WORKER_STATE
-
-        self.config = config
+    @classmethod
+    def of(
+        cls, config: KVPolicyConfig | None, runner: Any, tensor_parallel=None, stage: tuple[int, int] = (0, 0)
+    ) -> WorkerState:
+        """``tensor_parallel``: ``(rank, size, gather)`` of the worker's tensor-parallel group, if any;
+        ``stage``: ``(rank, first layer)`` of its pipeline stage."""
         rank, size, gather = tensor_parallel or (0, 1, None)
-        self.tp_rank = rank
         exact = size > 1 and config is not None and config.tp_allocation == "exact"
-        self.head_group = HeadGroup(rank, size, gather) if exact else None
-        self.policy = config.make_policy() if config is not None else None
-        self.family.clear()
-        self.runner = runner
-        self.releases.clear()
-        self._page_space = None
-        stock = self.policy is None or runner is None
-        self.mode = None if stock else mode_state(self.policy.mode, self)
+        return cls(
+            config=config,
+            policy=config.make_policy() if config is not None else None,
+            runner=runner,
+            tp_rank=rank,
+            head_group=HeadGroup(rank, size, gather) if exact else None,
+            pipeline_rank=stage[0],
+            first_layer=stage[1],
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -123,6 +114,14 @@ class WorkerState:
         if self._page_space is None:
             self._page_space = PageSpace.of(self.runner.kv_caches)
         return self._page_space
+
+    def layer_index(self, layer_name: str) -> int:
+        """The index of an attention layer within this worker's stage, parsed once per name: every layer
+        asks at every step."""
+        index = self._layer_indices.get(layer_name)
+        if index is None:
+            index = self._layer_indices[layer_name] = extract_layer_index(layer_name) - self.first_layer
+        return index
 
     def policy_named(self, name: str | None) -> Policy:
         """A request's policy: the server's, or another of its family (``kv_policy``, already validated)."""
@@ -143,6 +142,37 @@ class WorkerState:
         if self.mode is not None:
             for req_id in req_ids or ():
                 self.mode.forget(req_id)
+
+    def take_releases(self) -> BlockReleases | None:
+        """After the step's forward, every layer has moved: the blocks each changed request keeps, for the
+        scheduler, with the counters of what was released and relocated."""
+        keep_blocks, seen = {}, {}
+        counters = self.counters
+        for req_id, release in self.releases.items():
+            pages = release.pages
+            keep = keep_blocks[req_id] = (
+                release.keep if release.keep is not None else pages.blocks_to_keep(release.length)
+            )
+            seen[req_id] = len(pages.blocks)
+            counters["peak_request_kv_blocks"] = max(counters["peak_request_kv_blocks"], pages.live_blocks())
+            released = pages.release_except(keep)
+            counters["released_blocks"] += released
+            counters["released_bytes"] += released * self.block_bytes
+            if release.keep is not None:
+                continue  # an offload: its sparse layers went to the host pool
+            if not release.prompt_done:
+                counters["eviction_passes"] += 1
+                continue
+            counters["relocated_requests"] += 1
+            counters["kept_kv_tokens"] += pages.kept_tokens()
+            prompt_len = self.runner.requests[req_id].num_prompt_tokens
+            prompt_tokens = prompt_len * pages.num_layers * pages.num_heads
+            counters["prompt_kv_tokens"] += prompt_tokens
+            counters["compressed_requests"] += pages.kept_tokens() < prompt_tokens
+            counters["held_kv_pages"] += len(keep) * pages.num_layers * pages.num_heads
+            counters["ideal_kv_pages"] += pages.kept_tokens() / pages.block_size
+        self.releases.clear()
+        return BlockReleases(keep_blocks, seen) if keep_blocks else None
 
     def memory_now(self) -> dict[str, int]:
         """The memory compression saves right now (``metrics.GAUGES``): requests holding fewer blocks
@@ -174,6 +204,3 @@ class WorkerState:
             report.update(memory)
             self._reported_memory = memory
         return report
-
-
-WORKER_STATE = WorkerState()

@@ -1,9 +1,11 @@
 """What one step asks of the attention layers, built once per step by platform-free code.
 
-Each mode's builder (``modes/``) turns vLLM's batch into these records; its
-path (the per-head, context-selection or score-sharing path) reads them in
-every layer through the ops interface (``ops/``). No field depends on the platform except ``AttentionBatch.plan``,
-which the ops that will run the call prepared for it.
+Each mode's builder (``modes/``) turns vLLM's batch into these records, and
+the metadata builder attaches the mode's path to the step (``path``): every
+attention layer then runs the step on it (``step.write``, ``step.attend``),
+which reads the records through the ops interface (``ops/``). No field
+depends on the platform except ``AttentionBatch.plan``, which the ops that
+will run the call prepared for it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -36,6 +38,35 @@ from kvpolicy.policies.omnikv import PageChoice
 #: A plan of one-head sequences (``kv_heads == 1``) may depend on the lengths and query layout only,
 #: not on the table: the builder shares it between layers whose lengths agree.
 Planner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], Any]
+
+
+#: The platform's own cache write for one layer: of every row (None), or of the rows at these token indices.
+PlatformWrite = Callable[[torch.Tensor | None], None]
+#: The platform's own attention for one layer, over every row of the batch.
+PlatformAttend = Callable[[], Any]
+
+
+class StepPath(Protocol):
+    """What runs a step in each attention layer: its mode's path (``modes/``), over the builder's ops.
+    ``out`` is the layer's output as [tokens, q_heads, head_size]; rows the step leaves to the platform
+    go through ``platform_write`` and ``platform_attend``."""
+
+    def write(self, layer, key, value, kv_cache, step: Step, platform_write: PlatformWrite) -> None: ...
+
+    def attend(self, layer, query, out, kv_cache, step: Step, platform_attend: PlatformAttend) -> None: ...
+
+
+@dataclass
+class OnPath:
+    """A step record that knows the path that runs it (set by the metadata builder that built it)."""
+
+    path: StepPath | None = field(default=None, kw_only=True, repr=False, compare=False)
+
+    def write(self, layer, key, value, kv_cache, platform_write: PlatformWrite) -> None:
+        self.path.write(layer, key, value, kv_cache, self, platform_write)
+
+    def attend(self, layer, query, out, kv_cache, platform_attend: PlatformAttend) -> None:
+        self.path.attend(layer, query, out, kv_cache, self, platform_attend)
 
 
 @dataclass
@@ -203,7 +234,7 @@ class OffloadedBatch:
 
 
 @dataclass
-class RelocatingStep:
+class RelocatingStep(OnPath):
     """A step of a relocating policy: ``stock`` is the call of the rows the platform attends as usual
     (None when every row is stock, no row per head or summed)."""
 
@@ -221,7 +252,7 @@ class RelocatingStep:
 
 
 @dataclass
-class SelectingStep:
+class SelectingStep(OnPath):
     """A step of OmniKV: ``sources[l]`` is the filter layer whose selection layer ``l`` attends to
     (None: full attention); ``stock`` the rows that attend fully everywhere (in sparse layers, within
     ``context``'s call when there is one); with offloaded rows,
@@ -287,7 +318,7 @@ class SharedAttention:
 
 
 @dataclass
-class SharingStep:
+class SharingStep(OnPath):
     """A step of PoD: ``stock`` attends every row but the decode rows in ``shared``; ``layouts``
     are prompts that complete this step, laid out over every layer's pages after the last layer."""
 

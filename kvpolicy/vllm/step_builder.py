@@ -1,47 +1,72 @@
 """Builds each step's ``Step`` from vLLM's batch, once per step, for every platform.
 
-A platform's metadata builder calls ``StepBuilder.build`` after its own
-``build`` and attaches the result to its metadata; the builder never touches a
-tensor of the cache. The one platform-specific thing it needs, how the ops will
-run an attention call, comes in as a ``Planner``. What the step holds is the
-active mode's to decide (``WorkerState.mode``, ``kvpolicy/vllm/modes/``).
+A platform's metadata builder mixes in ``KVPolicyMetadataBuilder``: after its
+own ``build`` it asks the worker's mode for the step, attaches the mode's path
+to it (which every attention layer then runs) and lets its ops stage the step's
+index tensors; the builder never touches a tensor of the cache. The one
+platform-specific thing the mode needs, how the ops will run an attention
+call, comes in as a ``Planner``. The worker hook binds the builder to the
+worker's state (``bind``); until then, and under ``--kv-policy none``, every
+row takes the platform's path.
 """
 
 from __future__ import annotations
 
+from kvpolicy.vllm.modes import ModeState, make_path
 from kvpolicy.vllm.modes.base import HostBatch, StepShape
-from kvpolicy.vllm.state import WORKER_STATE
-from kvpolicy.vllm.step import Planner, Step
+from kvpolicy.vllm.ops import KVOps
+from kvpolicy.vllm.state import WorkerState
+from kvpolicy.vllm.step import Step, StepPath
 
 
 class StepBuilder:
-    """The step of a batch, as the worker's mode builds it for this platform's cache and planner."""
+    """The steps of one worker's mode, for one platform's cache, ops and planner."""
 
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        num_heads: int,
-        num_kv_heads: int,
-        block_size: int,
-        max_model_len: int,
-        plan: Planner,
-        sums_prompts: bool = False,
-    ):
-        """``sums_prompts``: the ops attend H2O/D2O prompt chunks themselves (``KVOps.prompt_attention``)."""
-        self.shape = StepShape(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            queries_per_kv=num_heads // num_kv_heads,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            plan=plan,
-            sums_prompts=sums_prompts,
-        )
+    def __init__(self, worker: WorkerState, mode: ModeState, path: StepPath, ops: KVOps, shape: StepShape):
+        self.worker = worker
+        self.mode = mode
+        self.path = path
+        self.ops = ops
+        self.shape = shape
 
     def build(self, cam) -> Step | None:
         """``cam``: vLLM's ``CommonAttentionMetadata`` of the step. None: every row takes the stock path."""
-        mode = WORKER_STATE.mode
-        if mode is None:
-            return None
-        return mode.build(HostBatch.of(cam, WORKER_STATE.runner), self.shape)
+        step = self.mode.build(HostBatch.of(cam, self.worker.runner), self.shape)
+        if step is not None:
+            step.path = self.path
+            self.mode.stage(step, self.ops)
+        return step
+
+
+class KVPolicyMetadataBuilder:
+    """Mixin before a platform's metadata builder: its metadata carries the step (``metadata_cls``, a
+    subclass of the platform's metadata with a ``step`` field)."""
+
+    metadata_cls: type
+    ops: KVOps
+    steps: StepBuilder | None = None
+
+    def step_shape(self) -> StepShape:
+        """The model and cache this builder's steps are for, and its ops' planner."""
+        raise NotImplementedError
+
+    def bind(self, worker: WorkerState) -> None:
+        """Build steps with the worker's mode (none: every row stays on the platform's path)."""
+        worker.ops = type(self.ops).__name__
+        mode = worker.mode
+        self.steps = (
+            None if mode is None else StepBuilder(worker, mode, make_path(mode, self.ops), self.ops, self.step_shape())
+        )
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if (
+            self.steps is None
+            or getattr(self, "is_cross_attention", False)
+            or getattr(self, "is_encoder_only_attention", False)
+        ):
+            return metadata
+        step = self.steps.build(common_attn_metadata)
+        if step is None:
+            return metadata
+        return self.metadata_cls(**vars(metadata), step=step)

@@ -1,8 +1,15 @@
-"""The worker hook: publishes the model runner and drops state of finished requests.
+"""The worker hook: makes the worker's kvpolicy state and hands it out, and drops finished requests.
 
 One mixin over the platform's worker: ``KVPolicyCPUWorker`` (vLLM's CPU
 worker) and ``KVPolicyGPUWorker`` (its GPU worker), each made on first
 access so that a platform never imports the other's worker module.
+
+The worker owns its ``WorkerState`` and the mode over it. Once vLLM has
+made the KV cache, the attention metadata builders and the KV connector
+(``initialize_from_config``), the hook binds the state to kvpolicy's builders
+(which build each step with the mode and attach the mode's path to it, so
+every attention layer gets it with the step) and to kvpolicy's connector
+(which reads the step's releases and counters).
 """
 
 from __future__ import annotations
@@ -10,16 +17,19 @@ from __future__ import annotations
 import importlib
 
 from kvpolicy.vllm.args import stored_config
-from kvpolicy.vllm.connector import own_metadata
+from kvpolicy.vllm.connector import KVPolicyConnector, own_metadata
 from kvpolicy.vllm.internals import (
     CPU_WORKER_MODULE,
     GPU_WORKER_MODULE,
+    attention_metadata_builders,
     ensure_intermediate_tensors,
     pipeline_stage,
     tensor_parallel_gather,
+    worker_connectors,
 )
-from kvpolicy.vllm.stage import STAGE
-from kvpolicy.vllm.state import WORKER_STATE
+from kvpolicy.vllm.modes import make_mode
+from kvpolicy.vllm.state import WorkerState
+from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
 
 #: class name -> (vLLM's worker module, its worker class)
 _PLATFORM_WORKERS = {
@@ -29,21 +39,32 @@ _PLATFORM_WORKERS = {
 
 
 class KVPolicyWorkerHooks:
-    """What the backends need from a worker: the runner, which requests are gone, and which of
-    their blocks other requests share (the scheduler's connector metadata)."""
+    """What the backends and the connector need from a worker: the runner, which requests are gone,
+    and which of their blocks other requests share (the scheduler's connector metadata)."""
+
+    kvpolicy: WorkerState
 
     def init_device(self):
         super().init_device()
         parallel = self.vllm_config.parallel_config.tensor_parallel_size > 1
-        STAGE.rank, _ = pipeline_stage()
-        STAGE.first_layer, _ = self.vllm_config.model_config.get_layers_start_end_indices(
-            self.vllm_config.parallel_config
-        )
-        WORKER_STATE.configure(
+        stage_rank, _ = pipeline_stage()
+        first_layer, _ = self.vllm_config.model_config.get_layers_start_end_indices(self.vllm_config.parallel_config)
+        self.kvpolicy = WorkerState.of(
             stored_config(self.vllm_config.additional_config),
             self.model_runner,
             tensor_parallel_gather() if parallel else None,
+            (stage_rank, first_layer),
         )
+        self.kvpolicy.mode = make_mode(self.kvpolicy)
+
+    def initialize_from_config(self, kv_cache_config):
+        super().initialize_from_config(kv_cache_config)
+        for builder in attention_metadata_builders(self.model_runner):
+            if isinstance(builder, KVPolicyMetadataBuilder):
+                builder.bind(self.kvpolicy)
+        for connector in worker_connectors():
+            if isinstance(connector, KVPolicyConnector):
+                connector.bind_worker(self.kvpolicy)
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
@@ -51,10 +72,10 @@ class KVPolicyWorkerHooks:
         return times
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        WORKER_STATE.forget(scheduler_output.finished_req_ids)
-        WORKER_STATE.forget(scheduler_output.preempted_req_ids)
+        self.kvpolicy.forget(scheduler_output.finished_req_ids)
+        self.kvpolicy.forget(scheduler_output.preempted_req_ids)
         metadata = own_metadata(scheduler_output.kv_connector_metadata)
-        WORKER_STATE.block_sharing = metadata.sharing if metadata is not None else {}
+        self.kvpolicy.block_sharing = metadata.sharing if metadata is not None else {}
         return super().execute_model(scheduler_output, *args, **kwargs)
 
 

@@ -88,7 +88,6 @@ def capture_shared_attention() -> SharedAttentionRecords:
     import torch
 
     from kvpolicy.vllm.modes import share as sharing
-    from kvpolicy.vllm.state import WORKER_STATE
 
     capture = SharedAttentionRecords()
     attend_layer = sharing.SharingPath._attend_shared
@@ -97,14 +96,14 @@ def capture_shared_attention() -> SharedAttentionRecords:
         attend_layer(self, layer, layer_idx, query, out, shared)
         if capture.step_done:
             return
-        pages, request, tables = WORKER_STATE.page_space().pages, shared.requests[0], shared.tables
+        pages, request, tables = self.worker.page_space().pages, shared.requests[0], shared.tables
         heads = len(shared.rows.head_of) // len(shared.requests)
         group = query.shape[1] // heads
         token = int(shared.token_idx[0])
         for head, slots in enumerate(request.main_slots(layer_idx)):
             keys, values = self.ops.gather(layer, pages, slots)
             rows = slice(head * group, (head + 1) * group)
-            record = {"query": query[token, rows].clone(), "keys": keys, "values": values, "scale": self.ops.impl.scale}
+            record = {"query": query[token, rows].clone(), "keys": keys, "values": values, "scale": layer.impl.scale}
             source = int(tables.read_from[layer_idx, head])
             if source >= 0:
                 even, odd = self.ops.gather(layer, pages, request.value_slots(layer_idx, head))  # values 2j, 2j + 1
@@ -118,6 +117,19 @@ def capture_shared_attention() -> SharedAttentionRecords:
 
     sharing.SharingPath._attend_shared = recording_layer
     return capture
+
+
+def _kvpolicy_state(worker):
+    return getattr(worker, "worker", worker).kvpolicy
+
+
+def worker_state(llm):
+    """The worker's kvpolicy state: the engine core runs in this process, so the worker's own object."""
+    return llm.collective_rpc(_kvpolicy_state)[0]
+
+
+def _ops_name(worker):
+    return _kvpolicy_state(worker).ops
 
 
 def prompts(lengths=PROMPT_LENS, vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
@@ -287,12 +299,12 @@ def main() -> int:
     )
     if args.capture:
         from kvpolicy.policies import Mode
-        from kvpolicy.vllm.state import WORKER_STATE
 
-        if WORKER_STATE.policy.mode is Mode.SHARE:
+        worker = worker_state(llm)
+        if worker.policy.mode is Mode.SHARE:
             capturing = capture_shared_attention()
         else:
-            WORKER_STATE.policy = capturing = CapturingPolicy(WORKER_STATE.policy)
+            worker.policy = capturing = CapturingPolicy(worker.policy)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
     if args.shared_prefix:
         shared = prompts([args.shared_prefix], seed=1)[0]
@@ -327,10 +339,8 @@ def main() -> int:
         * model.get_head_size()
         * model.dtype.itemsize
     )
-    from kvpolicy.vllm.state import WORKER_STATE
-
     summary = {
-        "ops": WORKER_STATE.ops,
+        "ops": None if args.stock else llm.collective_rpc(_ops_name)[0],
         "counters": counters,
         "kv_cache_usage_end": usage[0] if usage else None,
         "preemptions": preemptions,

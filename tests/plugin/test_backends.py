@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.policies import ModelShape
 from kvpolicy.policies.pod import LayerGroups
 from kvpolicy.vllm import args, cpu_backend, cuda_backend
 from kvpolicy.vllm.attention import KVPolicyAttention
@@ -23,6 +24,7 @@ from kvpolicy.vllm.internals import (
     AttentionCGSupport,
     EngineArgs,
 )
+from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
 
 
 @pytest.mark.parametrize(
@@ -33,12 +35,14 @@ def test_each_backend_keeps_its_platform_name_and_mixes_in_the_dispatch(backend,
     impl = backend.get_impl_cls()
     assert impl.__mro__[1] is KVPolicyAttention
     assert impl.__mro__[2] is backend.__mro__[1].get_impl_cls()
-    assert backend.get_builder_cls().__mro__[1] is backend.__mro__[1].get_builder_cls()
+    builder = backend.get_builder_cls()
+    assert builder.__mro__[1] is KVPolicyMetadataBuilder
+    assert builder.__mro__[2] is backend.__mro__[1].get_builder_cls()
 
 
 def test_cuda_builder_gives_up_cuda_graphs_for_attention_only_while_a_policy_changes_it():
     builder = cuda_backend.KVPolicyTritonBackend.get_builder_cls()
-    stock = builder.__mro__[1].get_cudagraph_support(None, None)
+    stock = builder.__mro__[2].get_cudagraph_support(None, None)
 
     def support(policy):
         extra = (
@@ -126,29 +130,19 @@ def test_on_cuda_policies_with_pages_in_each_layer_leave_vllms_layout_alone(on_c
     assert KV_CACHE_LAYOUT_ENV not in args.os.environ
 
 
-def test_on_cuda_pod_checks_its_grouping_and_still_refuses_tensor_parallelism(on_cuda):
-    config = KVPolicyConfig(policy="pod")
-    groups = config.make_policy().layer_groups()
-
-    def vllm_config(tensor_parallel: int):
-        model = SimpleNamespace(
-            model="m", get_num_layers=lambda _: groups.num_layers, get_num_kv_heads=lambda _: groups.num_heads
-        )
-        return SimpleNamespace(
-            model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel)
-        )
-
-    args._check_pod_groups(config, vllm_config(1))
-    with pytest.raises(KVPolicyConfigError, match="does not support tensor parallelism yet"):
-        args._check_pod_groups(config, vllm_config(2))
+def test_pod_checks_its_grouping_and_still_refuses_tensor_parallelism():
+    pod = KVPolicyConfig(policy="pod").make_policy()
+    groups = pod.layer_groups()
+    pod.check_model(ModelShape("m", groups.num_layers, groups.num_heads))
+    with pytest.raises(ValueError, match="does not support tensor parallelism yet"):
+        pod.check_model(ModelShape("m", groups.num_layers, groups.num_heads, tensor_parallel=2))
+    with pytest.raises(ValueError, match=f"is for {groups.num_layers} layers x {groups.num_heads} KV heads"):
+        pod.check_model(ModelShape("m", groups.num_layers + 1, groups.num_heads))
 
 
 def test_a_pod_delta_without_a_similarity_to_regroup_is_refused_at_startup(tmp_path):
     blocks_only = tmp_path / "blocks.json"
     blocks_only.write_text(json.dumps({"blocks": LayerGroups.single_layers(30, 3).blocks}))
     config = KVPolicyConfig(policy="pod", pod_groups=str(blocks_only), pod_delta=0.5)
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(model="m"), parallel_config=SimpleNamespace(tensor_parallel_size=1)
-    )
-    with pytest.raises(KVPolicyConfigError, match="holds no similarity to regroup at delta 0.5"):
-        args._check_pod_groups(config, vllm_config)
+    with pytest.raises(ValueError, match="holds no similarity to regroup at delta 0.5"):
+        config.make_policy().check_model(ModelShape("m", 30, 3))

@@ -3,8 +3,10 @@
 The Triton kernels and the C++ ops stand alone.
 """
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _modules_after(imports: str) -> set[str]:
@@ -24,3 +26,71 @@ def test_kernels_import_neither_vllm_nor_kvpolicy():
     for package in ("kvpolicy_triton", "kvpolicy_csrc"):
         loaded = _modules_after(package)
         assert not any(m.split(".")[0] in ("vllm", "kvpolicy") for m in loaded), package
+
+
+def _import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its text (at the top, in a function, under
+    ``TYPE_CHECKING``): a name imported from a package counts as its submodule when it is one."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
+            else:
+                continue
+            graph[name].update(target for target in targets if target in modules and target != name)
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_of_kvpolicy_imports_itself_back_through_others():
+    graph = _import_graph(Path(__file__).resolve().parents[2] / "kvpolicy")
+    assert "kvpolicy.vllm.modes.relocate" in graph["kvpolicy.vllm.modes"]  # the graph is read
+    assert _circles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -19,9 +19,9 @@ import torch
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import RequestPages
-from kvpolicy.vllm.modes.relocate_path import PerHeadPath
+from kvpolicy.vllm.modes import make_mode, make_path
 from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WORKER_STATE
+from kvpolicy.vllm.state import WorkerState
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, Relocation
 
 LAYERS, H, G, D, BS = 2, 3, 3, 16, 16
@@ -62,13 +62,7 @@ class MetaOps(KVOps):
         raise AssertionError("not a selecting policy")
 
 
-@pytest.fixture
-def worker():
-    yield WORKER_STATE
-    WORKER_STATE.configure(None, None)
-
-
-def decode_step(pages: RequestPages) -> RelocatingStep:
+def decode_step(worker: WorkerState, pages: RequestPages) -> RelocatingStep:
     """One new token per head of the request, already given its slot (``RequestPages.append``)."""
     pages.append(1)
     lengths = torch.from_numpy(pages.lengths.copy())  # [layers, heads]
@@ -78,8 +72,8 @@ def decode_step(pages: RequestPages) -> RelocatingStep:
         AttentionBatch(torch.tensor([0]), qsl, lengths[layer].int(), torch.zeros(H, 1), 1, None)
         for layer in range(LAYERS)
     ]
-    carried = WORKER_STATE.mode.requests[REQ].carried
-    slots = torch.tensor([carried.slot]) if WORKER_STATE.policy.inputs.attention else None
+    carried = worker.mode.requests[REQ].carried
+    slots = torch.tensor([carried.slot]) if worker.policy.inputs.attention else None
     return RelocatingStep(
         per_head=PerHeadBatch(
             torch.tensor([0]),
@@ -96,17 +90,18 @@ def decode_step(pages: RequestPages) -> RelocatingStep:
 
 
 @pytest.mark.parametrize("policy", ["identity", "streaming", "snapkv", "pyramid", "keydiff", "h2o"])
-def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker, policy):
+def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(policy):
     budget = None if policy == "identity" else BUDGET
     kv_cache = torch.empty(16, H, BS, 2 * D, device=DEVICE)
-    worker.configure(
+    worker = WorkerState.of(
         KVPolicyConfig(policy=policy, budget=budget, window=8, page_pool="layer"),
         SimpleNamespace(kv_caches=[kv_cache] * LAYERS, requests={}),
     )
+    worker.mode = make_mode(worker)
     pages = RequestPages(LAYERS, H, BS, list(range(-(-PROMPT // BS))))
     worker.mode.track(REQ).pages = pages
     ops = MetaOps()
-    path = PerHeadPath(ops)
+    path = make_path(worker.mode, ops)
     query = torch.empty(PROMPT, H * G, D, device=DEVICE)
     window = torch.arange(PROMPT) if worker.policy.inputs.attention else torch.arange(PROMPT - 8, PROMPT)
     prompt = RelocatingStep(relocations=[Relocation(REQ, worker.policy, pages, PROMPT, PROMPT, budget, window)])
@@ -116,7 +111,7 @@ def test_relocation_decode_and_eviction_read_nothing_back_from_the_cache(worker,
 
     if worker.policy.schedule.in_decode:
         for _ in range(DECODE):
-            step = decode_step(pages)
+            step = decode_step(worker, pages)
             for layer in range(LAYERS):
                 path.after_attention(None, layer, query[:1], kv_cache, step)
         evict = RelocatingStep(relocations=[Relocation(REQ, worker.policy, pages, None, None, None, torch.arange(0))])

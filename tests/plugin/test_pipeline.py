@@ -41,13 +41,9 @@ def test_prefix_caching_is_off_under_pipeline_parallelism_unless_asked_for_which
     assert one_stage.enable_prefix_caching is True
 
 
-def test_a_stage_counts_its_layers_from_its_first(monkeypatch):
-    from kvpolicy.vllm.attention import layer_index
-    from kvpolicy.vllm.stage import STAGE
+def test_a_stage_counts_its_layers_from_its_first():
+    from kvpolicy.vllm.state import WorkerState
 
-    monkeypatch.setattr(STAGE, "first_layer", 15)
-    layer_index.cache_clear()
-    try:
-        assert layer_index("model.layers.17.self_attn.attn") == 2
-    finally:
-        layer_index.cache_clear()
+    worker = WorkerState.of(None, None, stage=(1, 15))
+    assert worker.layer_index("model.layers.17.self_attn.attn") == 2
+    assert worker.pipeline_rank == 1

@@ -107,13 +107,9 @@ def test_only_the_bytes_a_step_views_are_sent():
 @pytest.mark.parametrize("staged_step", [True, False])
 def test_the_triton_ops_read_the_staged_copy_when_there_is_one(staged_step):
     step = per_head_step()
-    TritonOps.staged = StagedStep(step_tensors(step), torch.device("cpu")) if staged_step else None
-    try:
-        from kvpolicy.vllm.ops.triton import _on
-
-        (slots,) = _on(torch.device("cpu"), step.per_head.slots[0])
-    finally:
-        TritonOps.staged = None
+    ops = TritonOps()
+    ops.staged = StagedStep(step_tensors(step), torch.device("cpu")) if staged_step else None
+    (slots,) = ops._on(torch.device("cpu"), step.per_head.slots[0])
     assert torch.equal(slots, step.per_head.slots[0])
     shares = slots.untyped_storage().data_ptr() == step.per_head.slots.untyped_storage().data_ptr()
     assert shares != staged_step

@@ -1,22 +1,38 @@
-"""The worker side of each mode a policy runs in (``policy.mode``): its requests' state, the builder of
-its steps and its attention path, one module each; ``base.py`` holds what they share."""
+"""The worker side of each mode a policy runs in (``policy.mode``): its requests' state and the builder of
+its steps (``ModeState``), and the path that runs its steps in every attention layer; ``base.py`` holds
+what they share. A mode is its module and its line in ``MODES``."""
 
 from __future__ import annotations
 
 from kvpolicy.policies import Mode
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, StepShape
 from kvpolicy.vllm.modes.relocate import Relocate
-from kvpolicy.vllm.modes.select import Select
-from kvpolicy.vllm.modes.share import Share
+from kvpolicy.vllm.modes.relocate_path import PerHeadPath
+from kvpolicy.vllm.modes.select import Select, SelectionPath
+from kvpolicy.vllm.modes.share import Share, SharingPath
+from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WorkerState
+from kvpolicy.vllm.step import StepPath
 
-MODES: dict[Mode, type[ModeState]] = {Mode.RELOCATE: Relocate, Mode.SELECT: Select, Mode.SHARE: Share}
+#: mode -> (its worker side, the path that runs its steps); the stock mode has neither.
+MODES: dict[Mode, tuple[type[ModeState], type]] = {
+    Mode.RELOCATE: (Relocate, PerHeadPath),
+    Mode.SELECT: (Select, SelectionPath),
+    Mode.SHARE: (Share, SharingPath),
+}
 
 
-def mode_state(mode: Mode, worker: WorkerState) -> ModeState | None:
-    """The worker side of ``mode``; None for the stock one (every row takes the platform's path)."""
-    cls = MODES.get(mode)
-    return None if cls is None else cls(worker)
+def make_mode(worker: WorkerState) -> ModeState | None:
+    """The worker side of its policy's mode; None for the stock one, or before the worker has a runner
+    (every row takes the platform's path)."""
+    if worker.policy is None or worker.runner is None or worker.policy.mode not in MODES:
+        return None
+    return MODES[worker.policy.mode][0](worker)
 
 
-__all__ = ["MODES", "HostBatch", "ModeState", "Relocate", "Select", "Share", "StepShape", "mode_state"]
+def make_path(mode: ModeState, ops: KVOps) -> StepPath:
+    """The path that runs ``mode``'s steps over ``ops`` in every layer."""
+    return MODES[mode.worker.policy.mode][1](mode, ops)
+
+
+__all__ = ["MODES", "HostBatch", "ModeState", "Relocate", "Select", "Share", "StepShape", "make_mode", "make_path"]

@@ -16,6 +16,7 @@ from kvpolicy.paging import RequestPages
 from kvpolicy.paging.block_pages import BlockPages
 from kvpolicy.policies import Policy
 from kvpolicy.vllm.internals import host_batch_tensors
+from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WorkerState
 from kvpolicy.vllm.step import AttentionBatch, Planner, Step
 
@@ -214,3 +215,20 @@ class ModeState(ABC, Generic[R]):
     @abstractmethod
     def build(self, batch: HostBatch, shape: StepShape) -> Step | None:
         """The step of a batch; None when every row takes the stock path."""
+
+    def stage(self, step: Step, ops: KVOps) -> None:
+        """Hand a built step to the ops that will run it, with the device state the mode keeps for them."""
+        ops.stage(step)
+
+
+class ModePath:
+    """How a mode's steps run in each attention layer: over the mode (its requests, the device state it
+    keeps, the worker's page space and counters) and the metadata builder's ops."""
+
+    def __init__(self, mode: ModeState, ops: KVOps):
+        self.mode = mode
+        self.worker = mode.worker
+        self.ops = ops
+
+    def layer_index(self, layer) -> int:
+        return self.worker.layer_index(layer.layer_name)

@@ -20,7 +20,10 @@ from kvpolicy.paging import PageStore, RequestPages, stock_slots, virtual_tokens
 from kvpolicy.policies import Policy, Schedule
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
 from kvpolicy.vllm.modes.carried import CarriedScores, CarriedState
-from kvpolicy.vllm.state import BlockRelease
+from kvpolicy.vllm.ops import KVOps
+from kvpolicy.vllm.ops.staging import TableMirror
+from kvpolicy.vllm.releases import BlockRelease
+from kvpolicy.vllm.state import WorkerState
 from kvpolicy.vllm.step import (
     AttentionBatch,
     HeadRows,
@@ -71,10 +74,18 @@ class _Draft:
 class Relocate(ModeState[RelocatedRequest]):
     """The relocating policies' requests, from their first prompt chunk on, and the builder of their steps.
     ``store``: the page tables of every relocated request, rows of batch-wide arrays; ``scores``: what
-    H2O and D2O carry of them, rows of one tensor per layer."""
+    H2O and D2O carry of them, rows of one tensor per layer; ``device_tables``: the store's tables where
+    the ops run, kept up to date by each step's staging."""
 
     store: PageStore | None = None
     scores: CarriedScores | None = None
+
+    def __init__(self, worker: WorkerState):
+        super().__init__(worker)
+        self.device_tables = TableMirror()
+
+    def stage(self, step: RelocatingStep, ops: KVOps) -> None:
+        ops.stage(step, self.device_tables)
 
     def new_request(self) -> RelocatedRequest:
         return RelocatedRequest()

@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 
 from kvpolicy.policies import PromptKV
+from kvpolicy.vllm.modes.base import ModePath
 from kvpolicy.vllm.modes.relocate import Relocate
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WORKER_STATE
-from kvpolicy.vllm.step import PerHeadBatch, RelocatingStep, Relocation
+from kvpolicy.vllm.step import PerHeadBatch, PlatformAttend, PlatformWrite, RelocatingStep, Relocation
 
 
 def _rows(query: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
@@ -37,45 +36,54 @@ def _rows(query: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
     return query[token_idx.to(query.device, non_blocking=True)]
 
 
-def _mode() -> Relocate:
-    """The worker's mode, a relocating one whenever this path runs."""
-    return WORKER_STATE.mode
+class PerHeadPath(ModePath):
+    mode: Relocate
 
+    def write(self, layer, key, value, kv_cache, step: RelocatingStep, platform_write: PlatformWrite) -> None:
+        """The relocated rows' new K/V into their own pages; the platform writes the rest."""
+        per_head = step.per_head
+        if per_head is None:
+            platform_write(None)
+            return
+        platform_write(step.platform_layout_tokens)
+        cache = self.mode.relocated_cache(kv_cache)
+        self.ops.write(layer, cache, key, value, per_head.rows, per_head.slots[self.layer_index(layer)])
 
-class PerHeadPath:
-    def __init__(self, ops: KVOps):
-        self.ops = ops
+    def attend(self, layer, query, out, kv_cache, step: RelocatingStep, platform_attend: PlatformAttend) -> None:
+        """The layer's attention (the platform's alone when no row goes per head), then what follows it."""
+        layer_idx = self.layer_index(layer)
+        if step.per_head is None and not step.summed:
+            platform_attend()
+        else:
+            self._attend(layer, layer_idx, query, out, kv_cache, step)
+        self.after_attention(layer, layer_idx, query, kv_cache, step)
 
-    def write(self, layer, layer_idx: int, key, value, kv_cache, per_head: PerHeadBatch) -> None:
-        """The relocated rows' new K/V into their own pages (the stock rows are written by the platform)."""
-        self.ops.write(layer, _mode().relocated_cache(kv_cache), key, value, per_head.rows, per_head.slots[layer_idx])
-
-    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
+    def _attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
         """Stock rows in vLLM's layout, relocated rows per head, summed prompt chunks with their
         column sums; ``out`` [T, q_heads, D]."""
         self.ops.attend(layer, query, out, kv_cache, step.stock)
         per_head = step.per_head
         if per_head is not None:
             batch = per_head.layers[layer_idx]
-            self.ops.attend(layer, query, out, _mode().relocated_cache(kv_cache), batch, per_head.rows)
+            self.ops.attend(layer, query, out, self.mode.relocated_cache(kv_cache), batch, per_head.rows)
         for chunk in step.summed:
             sums = self.ops.prompt_attention(layer, query, out, kv_cache, chunk)
-            _mode().add_column_sums(chunk.req_id, layer_idx, sums)
+            self.mode.add_column_sums(chunk.req_id, layer_idx, sums)
 
     def after_attention(self, layer, layer_idx: int, query, kv_cache, step: RelocatingStep) -> None:
         """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes;
         after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
-            _mode().stash_window(stash.req_id, layer_idx, _rows(query, stash.token_idx))
-        if step.per_head is not None and WORKER_STATE.policy.inputs.attention:
+            self.mode.stash_window(stash.req_id, layer_idx, _rows(query, stash.token_idx))
+        if step.per_head is not None and self.worker.policy.inputs.attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
             self._relocate(layer, layer_idx, query, kv_cache, step.relocations)
-            if _mode().pools_layers and layer_idx == step.relocations[0].pages.num_layers - 1:
+            if self.mode.pools_layers and layer_idx == step.relocations[0].pages.num_layers - 1:
                 for relocation in step.relocations:
                     moves = relocation.pages.pack()
                     if moves.src.numel():
-                        self.ops.move(layer, _mode().relocated_cache(kv_cache), moves.src, moves.dst)
+                        self.ops.move(layer, self.mode.relocated_cache(kv_cache), moves.src, moves.dst)
 
     def _add_attention(self, layer, query, kv_cache, layer_idx: int, per_head: PerHeadBatch) -> None:
         """Add each relocated request's new token's attention weights over its cache to its carried scores,
@@ -83,9 +91,9 @@ class PerHeadPath:
         if per_head.token_idx.numel() != len(per_head.req_ids):
             raise RuntimeError("policies that accumulate attention take one new token per request and step")
         batch = per_head.layers[layer_idx]
-        weights = self.ops.new_token_weights(layer, query, _mode().relocated_cache(kv_cache), batch, per_head.rows)
+        weights = self.ops.new_token_weights(layer, query, self.mode.relocated_cache(kv_cache), batch, per_head.rows)
         slots = self.ops.on_device(per_head.carried_slots, weights.device)
-        _mode().scores.add(layer_idx, slots, weights)
+        self.mode.scores.add(layer_idx, slots, weights)
 
     def _relocate(self, layer, layer_idx: int, query, kv_cache, relocations: list[Relocation]) -> None:
         """Move each finished prompt of this layer into per-head pages, keeping what the policy keeps.
@@ -101,13 +109,13 @@ class PerHeadPath:
                 continue
             queries = None
             if policy.inputs.window or policy.inputs.attention:
-                queries = _mode().take_window(relocation.req_id, layer_idx, _rows(query, relocation.window_idx))
+                queries = self.mode.take_window(relocation.req_id, layer_idx, _rows(query, relocation.window_idx))
             prompt, slots = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
             counts = relocation.num_tokens, relocation.num_computed
             if not policy.schedule.across_layers:
                 self._compact(layer, kv_cache, layer_idx, relocation, prompt, slots, relocation.budget, None, *counts)
                 continue
-            observed = _mode().observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
+            observed = self.mode.observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
             if layer_idx == num_layers - 1:
                 caches, observations = zip(*(observed[i] for i in range(num_layers)))
                 budgets = policy.layer_budgets(list(observations), relocation.budget)
@@ -118,7 +126,7 @@ class PerHeadPath:
     def _evict(self, layer, kv_cache, layer_idx: int, relocation: Relocation) -> None:
         """An eviction pass: this layer's cache back to its budget, with what the policy carried, if over it."""
         pages = relocation.pages
-        carried = _mode().requests[relocation.req_id].carried
+        carried = self.mode.requests[relocation.req_id].carried
         length = int(pages.lengths[layer_idx, 0])
         budget = carried.budgets[layer_idx]
         if length <= budget:
@@ -129,7 +137,7 @@ class PerHeadPath:
             layer=layer_idx,
             num_layers=pages.num_layers,
             values=values,
-            scores=_mode().scores.read(layer_idx, carried.slot, length) if carried.scored[layer_idx] else None,
+            scores=self.mode.scores.read(layer_idx, carried.slot, length) if carried.scored[layer_idx] else None,
             threshold=carried.thresholds[layer_idx],
         )
         self._compact(layer, kv_cache, layer_idx, relocation, cache, slots, budget, None, length, length)
@@ -143,7 +151,7 @@ class PerHeadPath:
         slots = relocation.pages.current_slots(layer_idx, [torch.arange(num_slots)] * heads)
         slots = slots.view(heads, num_slots).to(kv_cache.device, non_blocking=True)
         read = slots[:, :num_tokens].reshape(-1)
-        keys, values = self.ops.gather(layer, _mode().relocated_cache(kv_cache), read)
+        keys, values = self.ops.gather(layer, self.mode.relocated_cache(kv_cache), read)
         return keys.view(heads, num_tokens, -1), values.view(heads, num_tokens, -1), slots
 
     def _prompt(self, layer, kv_cache, layer_idx: int, relocation: Relocation, queries):
@@ -155,7 +163,7 @@ class PerHeadPath:
         column_sums = None
         if policy.inputs.attention and queries is not None:
             # Summed chunks' sums cover the prompt's first positions; stashed queries, its last ones.
-            column_sums = _mode().take_column_sums(relocation.req_id, layer_idx, keys.shape[1])
+            column_sums = self.mode.take_column_sums(relocation.req_id, layer_idx, keys.shape[1])
             if queries.shape[1]:
                 from_queries = self.ops.prompt_column_sums(keys, queries)
                 column_sums = from_queries if column_sums is None else column_sums + from_queries
@@ -167,7 +175,7 @@ class PerHeadPath:
             queries=queries if policy.inputs.attention else None,
             values=values,
             column_sums=column_sums,
-            heads=WORKER_STATE.head_group,
+            heads=self.worker.head_group,
         )
         return prompt, slots
 
@@ -191,18 +199,18 @@ class PerHeadPath:
         kept = [torch.cat([chosen, generated]) for chosen in result.kept]
         src = torch.cat([head_slots[positions] for head_slots, positions in zip(slots, kept)])
         dst = pages.allot(layer_idx, [positions.numel() for positions in kept])
-        cache = _mode().relocated_cache(kv_cache)
+        cache = self.mode.relocated_cache(kv_cache)
         self.ops.move(layer, cache, src, dst)
         if result.keys is not None:
             rewritten = pages.current_slots(layer_idx, [torch.arange(chosen.numel()) for chosen in result.kept])
             keys, values = result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size)
             self.ops.scatter(layer, cache, rewritten, keys, values)
         if policy.schedule.in_decode:
-            carried = _mode().carried(relocation.req_id)
+            carried = self.mode.carried(relocation.req_id)
             carried.budgets[layer_idx] = budget
             carried.scored[layer_idx] = result.scores is not None
             if result.scores is not None:
                 # Output recomputed after a preemption has no scores yet.
                 unseen = torch.zeros(heads, generated.numel(), dtype=torch.float64, device=result.scores.device)
-                _mode().scores.write(layer_idx, carried.slot, torch.cat([result.scores, unseen], dim=1))
+                self.mode.scores.write(layer_idx, carried.slot, torch.cat([result.scores, unseen], dim=1))
             carried.thresholds[layer_idx] = result.threshold

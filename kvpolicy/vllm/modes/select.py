@@ -20,10 +20,17 @@ import torch
 
 from kvpolicy.paging import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies
 from kvpolicy.policies.omnikv import PageChoice
-from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WORKER_STATE, BlockRelease
-from kvpolicy.vllm.step import AttentionBatch, ContextSelection, HeadRows, OffloadedBatch, SelectingStep
+from kvpolicy.vllm.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
+from kvpolicy.vllm.releases import BlockRelease
+from kvpolicy.vllm.step import (
+    AttentionBatch,
+    ContextSelection,
+    HeadRows,
+    OffloadedBatch,
+    PlatformAttend,
+    PlatformWrite,
+    SelectingStep,
+)
 
 
 @dataclass(frozen=True)
@@ -201,33 +208,35 @@ def padded_table(rows: list[list[int]]) -> torch.Tensor:
     return table
 
 
-def _mode() -> Select:
-    """The worker's mode, a selecting one whenever this path runs."""
-    return WORKER_STATE.mode
+class SelectionPath(ModePath):
+    mode: Select
 
-
-class SelectionPath:
-    def __init__(self, ops: KVOps):
-        self.ops = ops
-
-    def write(self, layer, layer_idx: int, key, value, offloaded: OffloadedBatch) -> None:
-        """Offloaded rows' new K/V into their tail pages, after the full ones are flushed to the host."""
-        pages = WORKER_STATE.page_space().pages
+    def write(self, layer, key, value, kv_cache, step: SelectingStep, platform_write: PlatformWrite) -> None:
+        """Offloaded rows' new K/V into their tail pages, after the full ones are flushed to the host; the
+        platform writes the resident rows."""
+        offloaded = step.offloaded
+        if offloaded is None:
+            platform_write(None)
+            return
+        platform_write(step.resident.token_idx)
+        pages = self.worker.page_space().pages
+        layer_idx = self.layer_index(layer)
         flush = offloaded.flushes[layer_idx]
-        WORKER_STATE.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), _mode().host.pages)
+        self.worker.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), self.mode.host.pages)
         self.ops.write(layer, pages, key, value, offloaded.rows, offloaded.slots[layer_idx])
 
-    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SelectingStep, full_attention) -> None:
+    def attend(self, layer, query, out, kv_cache, step: SelectingStep, full_attention: PlatformAttend) -> None:
         """One layer of a selecting step; ``full_attention()`` is the platform's stock call over every row.
 
         Offloaded rows attend per head over the whole KV buffer: full layers to their own pages, sparse
         layers to the selected pages loaded from the host pool into staging pages, then their tail.
         """
         context, offloaded = step.context, step.offloaded
+        layer_idx = self.layer_index(layer)
         source = step.sources[layer_idx]
-        pages = WORKER_STATE.page_space().pages if offloaded is not None or step.offloads else None
+        pages = self.worker.page_space().pages if offloaded is not None or step.offloads else None
         if source is None:
-            filter_layer, scores = layer_idx in WORKER_STATE.policy.filter_layers, None
+            filter_layer, scores = layer_idx in self.worker.policy.filter_layers, None
             # In a filter layer, decode rows that leave pages out attend and are scored in one pass over
             # their keys; the other rows attend as stock.
             fused = filter_layer and context is not None and context.choice.drops
@@ -252,15 +261,14 @@ class SelectionPath:
                 batch = self._load_selection(pages, layer_idx, offloaded, offloaded.chosen[source])
                 self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
         if step.offloads and layer_idx == len(step.sources) - 1:
-            _move_offloads(pages, step.offloads)
+            self._move_offloads(pages, step.offloads)
 
-    @staticmethod
-    def _choose_pages(choice: PageChoice, scores: torch.Tensor | None) -> np.ndarray:
+    def _choose_pages(self, choice: PageChoice, scores: torch.Tensor | None) -> np.ndarray:
         """The page choice for decode rows (eq. 3-4), for the whole batch at once, on the host: ``scores``
         [rows, pages] as the filter layer's attention made them, None when every row keeps every page
         (then nothing was scored)."""
-        WORKER_STATE.counters["context_pages"] += int(choice.num_pages.sum())
-        WORKER_STATE.counters["selected_pages"] += int(choice.counts.sum())
+        self.worker.counters["context_pages"] += int(choice.num_pages.sum())
+        self.worker.counters["selected_pages"] += int(choice.counts.sum())
         return choice.choose(np.zeros(choice.kept.shape) if scores is None else scores.cpu().numpy())
 
     def _select(self, heads: int, context: ContextSelection, stock: AttentionBatch, scores) -> AttentionBatch:
@@ -306,7 +314,7 @@ class SelectionPath:
             for request, rows_pages in zip(offloaded.requests, chosen)
         ]
         loads = PageCopies.cat([call.loads for call in calls])
-        WORKER_STATE.counters["loaded_kv_pages"] += loads.apply(_mode().host.pages, pages.flatten(1))
+        self.worker.counters["loaded_kv_pages"] += loads.apply(self.mode.host.pages, pages.flatten(1))
         heads = len(offloaded.rows.token_of) // len(calls)
         table = padded_table([pages for call in calls for pages in call.table])
         seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
@@ -315,12 +323,11 @@ class SelectionPath:
             offloaded.token_idx, query_start_loc, seq_lens, table, 1, offloaded.plan(query_start_loc, seq_lens, table)
         )
 
-
-def _move_offloads(pages, offloads: list[OffloadPlan]) -> None:
-    """After the last layer: sparse layers' completed pages to the host, then the rest packed into
-    the blocks each request keeps (every source read before any destination is written)."""
-    flat = pages.flatten(1)
-    for plan in offloads:
-        WORKER_STATE.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, _mode().host.pages)
-        plan.on_device.apply(flat, flat)
-        WORKER_STATE.counters["offloaded_requests"] += 1
+    def _move_offloads(self, pages, offloads: list[OffloadPlan]) -> None:
+        """After the last layer: sparse layers' completed pages to the host, then the rest packed into
+        the blocks each request keeps (every source read before any destination is written)."""
+        flat = pages.flatten(1)
+        for plan in offloads:
+            self.worker.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, self.mode.host.pages)
+            plan.on_device.apply(flat, flat)
+            self.worker.counters["offloaded_requests"] += 1

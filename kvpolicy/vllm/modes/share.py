@@ -20,10 +20,9 @@ import numpy as np
 import torch
 
 from kvpolicy.paging import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages
-from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WORKER_STATE, BlockRelease
-from kvpolicy.vllm.step import HeadRows, SharedAttention, SharedBatch, SharingStep
+from kvpolicy.vllm.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
+from kvpolicy.vllm.releases import BlockRelease
+from kvpolicy.vllm.step import HeadRows, PlatformAttend, PlatformWrite, SharedAttention, SharedBatch, SharingStep
 
 
 @dataclass
@@ -121,33 +120,38 @@ class Share(ModeState[SharedRequest]):
         )
 
 
-class SharingPath:
-    def __init__(self, ops: KVOps):
-        self.ops = ops
+class SharingPath(ModePath):
+    mode: Share
 
     @functools.cached_property
     def _lowest(self) -> np.ndarray:
         """[layer, head]: the lowest layer of the block each (layer, head) belongs to."""
-        return np.array(WORKER_STATE.policy.layer_groups().lowest())
+        return np.array(self.worker.policy.layer_groups().lowest())
 
     @functools.cached_property
     def _sharing_heads(self) -> np.ndarray:
         """[layer]: how many of its KV heads attend with a lower layer's distant logits."""
         return (DistantLogitRows.of(self._lowest).read >= 0).sum(axis=1)
 
-    def write(self, layer, layer_idx: int, key, value, shared: SharedBatch) -> None:
-        """The decode rows' new K/V at the end of their main sequences."""
-        pages = WORKER_STATE.page_space().pages
-        self.ops.write(layer, pages, key, value, shared.rows, shared.slots[layer_idx])
+    def write(self, layer, key, value, kv_cache, step: SharingStep, platform_write: PlatformWrite) -> None:
+        """The decode rows' new K/V at the end of their main sequences; the platform writes the rest."""
+        shared = step.shared
+        if shared is None:
+            platform_write(None)
+            return
+        platform_write(step.stock.token_idx)
+        pages = self.worker.page_space().pages
+        self.ops.write(layer, pages, key, value, shared.rows, shared.slots[self.layer_index(layer)])
 
-    def attend(self, layer, layer_idx: int, query, out, kv_cache, step: SharingStep) -> None:
-        """Stock rows as usual, decode rows per KV head (eq. 3-4)."""
-        self.ops.attend(layer, query, out, kv_cache, step.stock)
-        if step.shared is not None:
+    def attend(self, layer, query, out, kv_cache, step: SharingStep, platform_attend: PlatformAttend) -> None:
+        """Stock rows as usual, decode rows per KV head (eq. 3-4); after the last layer, lay out the prompts
+        that completed this step."""
+        layer_idx = self.layer_index(layer)
+        if step.shared is None:
+            platform_attend()
+        else:
+            self.ops.attend(layer, query, out, kv_cache, step.stock)
             self._attend_shared(layer, layer_idx, query, out, step.shared)
-
-    def after_attention(self, layer, layer_idx: int, step: SharingStep) -> None:
-        """After the last layer, lay out the prompts that completed this step."""
         if step.layouts and layer_idx == len(self._lowest) - 1:
             self._lay_out(layer, step)
 
@@ -158,7 +162,7 @@ class SharingPath:
             shared.distant_logits = torch.empty(
                 tables.logit_rows, group, tables.max_distant, dtype=torch.float32, device=query.device
             )
-        tau = WORKER_STATE.policy.tau
+        tau = self.worker.policy.tau
         call = SharedAttention(
             shared.rows.token_of,
             shared.rows.head_of,
@@ -172,15 +176,15 @@ class SharingPath:
             shared.distant_logits,
             tau,
         )
-        skipped = self.ops.pod_attention(layer, query, out, WORKER_STATE.page_space().pages, call)
-        counters = WORKER_STATE.counters
+        skipped = self.ops.pod_attention(layer, query, out, self.worker.page_space().pages, call)
+        counters = self.worker.counters
         counters["pod_distant_evaluated"] += int(self._sharing_heads[layer_idx]) * len(shared.requests) * group
         if tau is not None:
             counters["pod_distant_skipped"] += int(skipped.sum())
 
     def _lay_out(self, layer, step: SharingStep) -> None:
         """Move each completed prompt into its shared layout: every source read before any destination is written."""
-        pages = WORKER_STATE.page_space().pages
+        pages = self.worker.page_space().pages
         read = []
         for plan in step.layouts:
             keys, values = self.ops.gather(layer, pages, plan.tokens.src)
@@ -195,4 +199,4 @@ class SharingPath:
             self.ops.scatter(layer, pages, plan.tokens.dst, keys, values)
             if even is not None:
                 self.ops.scatter(layer, pages, plan.values.dst, even, odd)
-            WORKER_STATE.counters["pod_layouts"] += 1
+            self.worker.counters["pod_layouts"] += 1

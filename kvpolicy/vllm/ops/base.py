@@ -5,7 +5,8 @@ logical order (a layer's cache, ``h`` = its KV heads; or the whole KV buffer as
 one-head pages, ``h`` = 1), any physical strides the platform allocates; page
 ``p`` is index ``p // h``, head ``p % h``, and a slot is ``page * block_size +
 token``. ``layer`` is vLLM's attention layer (the CPU ops read its ISA and KV
-scales). Two implementations: ``CPUOps`` (vLLM's CPU kernels) and
+scales; its ``impl`` the layer's attention settings). One ops object serves every layer of a metadata
+builder's group. Two implementations: ``CPUOps`` (vLLM's CPU kernels) and
 ``TritonOps`` (``triton_kernels/``).
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy.vllm.ops.staging import TableMirror
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, SharedAttention, Step, SummedChunk
 
 
@@ -36,9 +38,10 @@ class KVOps(ABC):
     ) -> Any:
         """Prepare one attention call (``step.Planner``); the result travels in ``AttentionBatch.plan``."""
 
-    def stage(self, step: Step) -> None:  # noqa: B027 (a hook: most ops have nothing to stage)
+    def stage(self, step: Step, tables: TableMirror | None = None) -> None:  # noqa: B027 (a hook: most ops have nothing to stage)
         """Called once per step, after the builder made it: the ops may send its index tensors to where the
-        cache is now, in one copy, rather than layer by layer (``ops/staging.py``)."""
+        cache is now, in one copy, rather than layer by layer (``ops/staging.py``); ``tables``: the mode's
+        device copy of its page tables, brought up to date with the step's."""
 
     def on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A host tensor of the step where the cache is (the staged copy's view, when the ops staged one)."""

@@ -127,16 +127,15 @@ class CacheViews:
 
 
 class CPUOps(KVOps):
-    """vLLM's CPU attention (``impl``'s settings: scale, sinks, soft cap, ...) and cache writer.
+    """vLLM's CPU attention (each layer's impl settings: scale, sinks, soft cap, ...) and cache writer.
 
     ``builder``: vLLM's CPU metadata builder, whose settings the scheduler
-    metadata of each call needs (None on the attention side, which never plans).
+    metadata of each call needs.
     """
 
     sums_prompts = True
 
-    def __init__(self, impl=None, builder=None):
-        self.impl = impl
+    def __init__(self, builder=None):
         self.builder = builder
         self._views: dict[int, tuple[torch.Tensor, CacheViews]] = {}
 
@@ -165,7 +164,7 @@ class CPUOps(KVOps):
         )
 
     def write(self, layer, cache, key, value, rows, slots):
-        impl = self.impl
+        impl = layer.impl
         row_shape = (1, impl.head_size)
         views = self.views(layer, cache)
         ops.cpu_attn_reshape_and_cache(
@@ -181,7 +180,7 @@ class CPUOps(KVOps):
         )
 
     def _call(self, layer, query, output, key_cache, value_cache, batch: AttentionBatch) -> None:
-        impl = self.impl
+        impl = layer.impl
         ops.cpu_attention_with_kv_cache(
             query=query,
             key_cache=key_cache,
@@ -215,7 +214,7 @@ class CPUOps(KVOps):
             self._call(layer, query[batch.token_idx], rows_out, views.key, views.value, batch)
             out[batch.token_idx] = rows_out
             return
-        impl = self.impl
+        impl = layer.impl
         views = self.views(layer, cache)
         row_shape = (impl.num_queries_per_kv, impl.head_size)
         head_query = by_head(query, rows, impl.num_kv_heads, row_shape)
@@ -267,13 +266,13 @@ class CPUOps(KVOps):
         keys, values = self.gather(layer, cache, chunk.slots.reshape(-1))
         queries = query[chunk.token_idx].transpose(0, 1)
         attended, sums = kvpolicy_csrc.prompt_attention(
-            keys.view(heads, length, -1), values.view(heads, length, -1), queries, self.impl.scale
+            keys.view(heads, length, -1), values.view(heads, length, -1), queries, layer.impl.scale
         )
         out[chunk.token_idx] = attended.transpose(0, 1).to(out.dtype)
         return sums
 
     def pod_attention(self, layer, query, out, cache, call):
-        impl = self.impl
+        impl = layer.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
             return kvpolicy_csrc.pod_attention(
@@ -291,7 +290,7 @@ class CPUOps(KVOps):
 
     def _pod_attention_by_gather(self, layer, query, out, cache, call) -> torch.Tensor:
         """The torch path: each sequence's tokens gathered through the page layout, eq. 3-4 by the policy."""
-        impl = self.impl
+        impl = layer.impl
         group, bs = impl.num_queries_per_kv, cache.shape[2]
         skipped = torch.zeros(call.token_of.numel(), group, dtype=torch.bool)
         columns = (call.token_of, call.head_of, call.seq_lens, call.distant_start, call.distant_count)
@@ -314,7 +313,7 @@ class CPUOps(KVOps):
     def new_token_weights(self, layer, query, cache, batch, rows):
         """The fused kernel returns no weights: recompute them from the keys, read in place by the C++
         op (else from a strided view of one copy of each page's K part, in one batched product)."""
-        impl = self.impl
+        impl = layer.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
             args = (rows.token_of, rows.head_of, batch.block_table, batch.seq_lens, impl.scale, impl.num_kv_heads)
@@ -326,7 +325,7 @@ class CPUOps(KVOps):
         return new_token_attention(keys, lengths, by_head(query, rows, impl.num_kv_heads, row_shape))
 
     def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
-        impl = self.impl
+        impl = layer.impl
         geometry = self._geometry(layer, cache)
         if geometry is not None:
             args = (token_idx, page_ids, lengths, impl.scale)
@@ -338,10 +337,10 @@ class CPUOps(KVOps):
 
     def _context_attention_by_gather(self, layer, query, out, cache, page_ids, token_idx, lengths) -> None:
         """The torch path: each row's tokens gathered through the page layout, attended KV head by KV head."""
-        group, bs = self.impl.num_queries_per_kv, cache.shape[2]
+        group, bs = layer.impl.num_queries_per_kv, cache.shape[2]
         for row, (token, n) in enumerate(zip(token_idx.tolist(), lengths.tolist())):
             for head, pages in enumerate(page_ids[row].tolist()):
                 keys, values = self.gather(layer, cache, page_slots(pages, n, bs))
                 heads = slice(head * group, (head + 1) * group)
-                weights = torch.softmax(query[token, heads].float() @ keys.float().T * self.impl.scale, dim=-1)
+                weights = torch.softmax(query[token, heads].float() @ keys.float().T * layer.impl.scale, dim=-1)
                 out[token, heads] = (weights @ values.float()).to(out.dtype)

@@ -17,7 +17,7 @@ import torch
 
 from kvpolicy.paging import virtual_tokens
 from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.ops.staging import StagedStep, TableMirror, copy_to
+from kvpolicy.vllm.ops.staging import StagedStep, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
     PageGeometry,
@@ -142,62 +142,59 @@ def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
     return geometry
 
 
-def _staged_call(batch: AttentionBatch, rows: HeadRows | None):
-    """(device indices, longest sequence) of one of the staged step's per-head calls, or None."""
-    calls = TritonOps.layer_calls
-    return None if calls is None else calls.attend(batch, rows)
-
-
-def _on(device: torch.device, *tensors):
-    """The step's index tensors are built on the host; kernels read them where the cache is: from the
-    step's one staged copy (``TritonOps.stage``), or copied here when made after it."""
-    staged = TritonOps.staged
-    if staged is not None and staged.device == device:
-        return staged.to_device(tensors)
-    return copy_to(device, list(tensors))
-
-
 class TritonOps(KVOps):
-    """``impl``: the attention impl whose scale and head counts the kernels use."""
+    """Kernels over any layer's cache (each layer's impl gives its scale and head counts). One per
+    metadata builder: it stages each step it plans, and the attention layers that run the step read
+    the staged copy through it (the step's path holds it)."""
 
-    #: The current step's index tensors on the device, shared by the metadata builder's ops (which stage
-    #: them) and every layer's ops (which read them) in this worker process.
-    staged: StagedStep | None = None
-    #: The relocated requests' page tables on the device, kept in step with the worker's page store.
-    tables = TableMirror()
-    #: The current step's per-head calls with their device arguments (None: the step has none).
-    layer_calls: LayerCalls | None = None
-
-    def __init__(self, impl=None):
+    def __init__(self):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 "kvpolicy's Triton ops need a GPU; on a CPU machine they run only in Triton's interpreter "
                 "(set TRITON_INTERPRET=1 before starting, for tests), or drop KVPOLICY_OPS=triton"
             )
-        self.impl = impl
         self._heads_plan: tuple[torch.Tensor | None, VirtualSequences | None] = (None, None)
-        if impl is not None:
-            unsupported = [
-                name
-                for name, value in (
-                    ("ALiBi", impl.alibi_slopes),
-                    ("attention sinks", getattr(impl, "sinks", None)),
-                    ("logit soft-capping", impl.logits_soft_cap),
-                )
-                if value
-            ]
-            if unsupported:
-                raise NotImplementedError(f"kvpolicy's Triton attention does not implement {', '.join(unsupported)}")
+        #: The current step's index tensors on the device (``stage``).
+        self.staged: StagedStep | None = None
+        #: The current step's per-head calls with their device arguments (None: the step has none).
+        self.layer_calls: LayerCalls | None = None
 
-    def stage(self, step):
+    @staticmethod
+    def check_impl(impl) -> None:
+        """Refuse an attention layer whose features the kernels do not implement."""
+        unsupported = [
+            name
+            for name, value in (
+                ("ALiBi", impl.alibi_slopes),
+                ("attention sinks", getattr(impl, "sinks", None)),
+                ("logit soft-capping", impl.logits_soft_cap),
+            )
+            if value
+        ]
+        if unsupported:
+            raise NotImplementedError(f"kvpolicy's Triton attention does not implement {', '.join(unsupported)}")
+
+    def stage(self, step, tables=None):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         tensors = list(step_tensors(step))
         per_head = getattr(step, "per_head", None)
-        if per_head is None:
-            TritonOps.staged, TritonOps.layer_calls = StagedStep(tensors, device), None
+        if per_head is None or tables is None:
+            self.staged, self.layer_calls = StagedStep(tensors, device), None
         else:
-            staged = TritonOps.staged = TritonOps.tables.stage(per_head.store, tensors, device)
-            TritonOps.layer_calls = LayerCalls.of(per_head, staged)
+            self.staged = tables.stage(per_head.store, tensors, device)
+            self.layer_calls = LayerCalls.of(per_head, self.staged)
+
+    def _on(self, device: torch.device, *tensors):
+        """The step's index tensors are built on the host; kernels read them where the cache is: from the
+        step's one staged copy (``stage``), or copied here when made after it."""
+        staged = self.staged
+        if staged is not None and staged.device == device:
+            return staged.to_device(tensors)
+        return copy_to(device, list(tensors))
+
+    def _staged_call(self, batch: AttentionBatch, rows: HeadRows | None):
+        """(device indices, longest sequence) of one of the staged step's per-head calls, or None."""
+        return None if self.layer_calls is None else self.layer_calls.attend(batch, rows)
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         if kv_heads == 1 and self._heads_plan[0] is query_start_loc:
@@ -208,18 +205,18 @@ class TritonOps(KVOps):
         return plan
 
     def on_device(self, tensor, device):
-        return _on(device, tensor)[0]
+        return self._on(device, tensor)[0]
 
     def write(self, layer, cache, key, value, rows: HeadRows, slots):
-        calls = TritonOps.layer_calls
+        calls = self.layer_calls
         indices = calls.write(rows, slots) if calls is not None else None
         if indices is None:
-            indices = _on(cache.device, rows.token_of, rows.head_of, slots)
+            indices = self._on(cache.device, rows.token_of, rows.head_of, slots)
         write_slots(cache, cache_geometry(layer, cache), key, value, *indices)
 
     def attend(self, layer, query, out, cache, batch: AttentionBatch, rows: HeadRows | None = None):
         virtual: VirtualSequences = batch.plan
-        known = _staged_call(batch, rows)
+        known = self._staged_call(batch, rows)
         if known is not None:
             indices, longest = known
         else:
@@ -231,50 +228,52 @@ class TritonOps(KVOps):
                 qsl, seq_lens, table = virtual.query_start_loc, virtual.seq_lens, virtual.page_table
             else:
                 token_of, head_of = rows.token_of, rows.head_of
-            indices = _on(cache.device, token_of, head_of, qsl, seq_lens, table)
+            indices = self._on(cache.device, token_of, head_of, qsl, seq_lens, table)
             longest = int(seq_lens.max())
+        impl = layer.impl
         paged_attention(
             query,
             out,
             cache,
             cache_geometry(layer, cache),
             *indices,
-            self.impl.scale,
-            self.impl.num_kv_heads,
+            impl.scale,
+            impl.num_kv_heads,
             virtual.max_query_len,
             longest,
         )
 
     def gather(self, layer, cache, slots):
-        return gather_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots))
+        return gather_tokens(cache, cache_geometry(layer, cache), *self._on(cache.device, slots))
 
     def gather_values(self, layer, cache, slots):
-        return gather_values(cache, cache_geometry(layer, cache), *_on(cache.device, slots))
+        return gather_values(cache, cache_geometry(layer, cache), *self._on(cache.device, slots))
 
     def scatter(self, layer, cache, slots, keys, values):
-        scatter_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, slots, keys, values))
+        scatter_tokens(cache, cache_geometry(layer, cache), *self._on(cache.device, slots, keys, values))
 
     def move(self, layer, cache, src, dst):
-        move_tokens(cache, cache_geometry(layer, cache), *_on(cache.device, src, dst))
+        move_tokens(cache, cache_geometry(layer, cache), *self._on(cache.device, src, dst))
 
     def new_token_weights(self, layer, query, cache, batch, rows: HeadRows):
-        known = _staged_call(batch, rows)
+        known = self._staged_call(batch, rows)
         if known is None:
-            indices = _on(cache.device, rows.token_of, rows.head_of, batch.block_table, batch.seq_lens)
+            indices = self._on(cache.device, rows.token_of, rows.head_of, batch.block_table, batch.seq_lens)
         else:
             token_of, head_of, _, seq_lens, table = known[0]
             indices = (token_of, head_of, table, seq_lens)
         geometry = cache_geometry(layer, cache)
-        return new_token_weights(query, cache, geometry, *indices, self.impl.scale, self.impl.num_kv_heads).double()
+        impl = layer.impl
+        return new_token_weights(query, cache, geometry, *indices, impl.scale, impl.num_kv_heads).double()
 
     def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
-        indices = _on(cache.device, token_idx, page_ids, lengths)
-        return context_attention(query, out, cache, cache_geometry(layer, cache), *indices, self.impl.scale)
+        indices = self._on(cache.device, token_idx, page_ids, lengths)
+        return context_attention(query, out, cache, cache_geometry(layer, cache), *indices, layer.impl.scale)
 
     def pod_attention(self, layer, query, out, cache, call):
-        indices = _on(cache.device, *call.indices())
+        indices = self._on(cache.device, *call.indices())
         geometry = cache_geometry(layer, cache)
-        impl = self.impl
+        impl = layer.impl
         return pod_attention(
             query, out, cache, geometry, *indices, call.distant_logits, impl.scale, impl.num_kv_heads, call.tau
         )
