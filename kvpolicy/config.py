@@ -103,12 +103,14 @@ class KVPolicyConfig:
         "layer that keeps more borrows the others' pages; layer packs each layer into its own part of the blocks "
         "(the only choice on CUDA, where model is refused)",
         check=one_of("model", "layer"),
+        mode=Mode.RELOCATE,
     )
     offload: float | None = option(
         None,
         "omnikv: the sparse layers' KV lives in a separate host pool of this many GiB; vLLM's pool keeps the "
         "full-attention layers and what each step loads, and the request hands the rest of its blocks back",
         check=_pool_size,
+        mode=Mode.SELECT,
     )
     reserve_growth: bool = option(
         True,
@@ -170,12 +172,13 @@ class KVPolicyConfig:
         if self.budget is not None and self.ratio is not None:
             raise KVPolicyConfigError("give --kv-budget or --kv-ratio, not both")
         policy = POLICIES[self.policy]
-        if self.offload is not None and policy.mode is not Mode.SELECT:
-            raise KVPolicyConfigError(f"--kv-offload applies to --kv-policy omnikv, not {self.policy}")
-        if self.page_pool is not None and policy.mode is not Mode.RELOCATE:
-            raise KVPolicyConfigError(
-                f"--kv-page-pool applies to policies that relocate pages per layer, not to --kv-policy {self.policy}"
-            )
+        for f in fields(self):
+            mode = f.metadata.get("mode")
+            if mode is not None and getattr(self, f.name) is not None and policy.mode is not mode:
+                takers = sorted(name for name, cls in POLICIES.items() if cls.mode is mode)
+                raise KVPolicyConfigError(
+                    f"--kv-{flag_of(f).replace('_', '-')} applies to --kv-policy {', '.join(takers)}, not {self.policy}"
+                )
         if policy.needs_budget and self.budget is None and self.ratio is None:
             raise KVPolicyConfigError(f"--kv-policy {self.policy} needs --kv-budget or --kv-ratio")
         window = self.observation_window
@@ -211,7 +214,7 @@ class KVPolicyConfig:
     @property
     def compresses(self) -> bool:
         """Whether requests leave vLLM's stock layout (anything but ``none`` and ``omnikv``)."""
-        return POLICIES[self.policy].mode in (Mode.RELOCATE, Mode.SHARE)
+        return POLICIES[self.policy].mode.traits.frees_blocks
 
     @property
     def rewrites_blocks(self) -> bool:
@@ -222,12 +225,20 @@ class KVPolicyConfig:
     def pools_every_layer(self) -> bool:
         """Whether a request's pages may lie in any layer's part of vLLM's KV buffer (the worker's page
         space): PoD, ``--kv-offload``, ``--kv-page-pool model``."""
-        return POLICIES[self.policy].mode is Mode.SHARE or self.offload is not None or self.page_pool == "model"
+        return (
+            POLICIES[self.policy].mode.traits.pools_every_layer or self.offload is not None or self.page_pool == "model"
+        )
 
     @property
     def changes_attention(self) -> bool:
         """Whether some request attends to anything but vLLM's stock cache (anything but ``none``)."""
-        return self.compresses or POLICIES[self.policy].mode is Mode.SELECT
+        return POLICIES[self.policy].mode.traits.changes_attention
+
+    @property
+    def moves_after_prompt(self) -> bool:
+        """Whether a request's pages may move after its prompt is read: PoD's layout, an offload (which a
+        recompute past the prompt after a preemption ends)."""
+        return POLICIES[self.policy].mode.traits.moves_after_prompt or self.offload is not None
 
     def sparse_budget(self, context_len: int, num_layers: int, override: int | None = None) -> int:
         """OmniKV: tokens a sparse layer attends to at this context length (``--kv-ratio`` is Mem%)."""

@@ -95,17 +95,51 @@ class CompressedKV:
     threshold: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class ModeTraits:
+    """What the engine must know of a mode before any request arrives (a mode's flags say which mode they
+    apply to: ``options.option(mode=...)``)."""
+
+    name: str
+    #: Some request attends to something other than vLLM's stock cache.
+    changes_attention: bool = True
+    #: Requests leave vLLM's stock layout and hand blocks back to its pool.
+    frees_blocks: bool = False
+    #: A request's pages may move after its prompt is read (PoD lays it out once it has distant tokens).
+    moves_after_prompt: bool = False
+    #: A request's pages may lie in any layer's part of vLLM's KV buffer (the worker's page space).
+    pools_every_layer: bool = False
+    #: Why the mode cannot run under pipeline parallelism (None: it runs stage by stage).
+    crosses_stages: str | None = None
+
+
 class Mode(enum.Enum):
-    """How the engine runs a policy; each mode has its own per-request state, step builder and attention path."""
+    """How the engine runs a policy; each mode has its own per-request state, step builder and attention
+    path (``kvpolicy/vllm/modes/``), and what the engine must know of it up front (``traits``)."""
 
     #: vLLM's own layout and attention, untouched (``none``).
-    STOCK = "stock"
+    STOCK = ModeTraits("stock", changes_attention=False)
     #: Once its prompt is read, a request moves to per-(layer, KV head) pages holding only what the policy keeps.
-    RELOCATE = "relocate"
+    RELOCATE = ModeTraits("relocate", frees_blocks=True)
     #: Nothing moves; in decode some layers attend only to the pages other layers selected (OmniKV).
-    SELECT = "select"
+    SELECT = ModeTraits(
+        "select",
+        crosses_stages="its filter layers choose the pages the later layers read, and under pipeline parallelism "
+        "the later layers run on another stage, which the selection does not reach",
+    )
     #: The request is laid out over every layer's pages at once, some layers reusing a lower layer's logits (PoD).
-    SHARE = "share"
+    SHARE = ModeTraits(
+        "share",
+        frees_blocks=True,
+        moves_after_prompt=True,
+        pools_every_layer=True,
+        crosses_stages="its layer groups read one layer's attention scores in other layers, and a stage holds only "
+        "its own layers' KV",
+    )
+
+    @property
+    def traits(self) -> ModeTraits:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -120,6 +154,20 @@ class Inputs:
 
     window: bool = False
     attention: bool = False
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a policy may check of the served model before it loads (``Policy.check_model``): its name, its
+    layers on this worker, its KV heads per rank, the tensor-parallel size, the context limit, and the
+    server's ``--kv-ratio``."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    tensor_parallel: int = 1
+    max_model_len: int = 0
+    ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +199,10 @@ class Policy:
     needs_budget: ClassVar[bool] = True
     inputs: ClassVar[Inputs] = Inputs()
     schedule: ClassVar[Schedule] = Schedule()
+
+    def check_model(self, model: ModelShape) -> None:
+        """Refuse, with a ``ValueError`` that says what to change, a model this policy's settings do not fit
+        (most fit any)."""
 
     @classmethod
     def family(cls) -> tuple:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.policies.base import Mode, Policy
+from kvpolicy.policies.base import Mode, ModelShape, Policy
 from kvpolicy.policies.options import increasing_layers, not_negative, option
 
 SELECTORS = ("last", "uniform", "exponential")
@@ -155,6 +155,16 @@ class OmniKV(Policy):
             dense = layer < self.dense_layers or layer in self.filter_layers or layer - 1 in self.filter_layers
             sources.append(None if dense or not before else max(before))
         return sources
+
+    def check_model(self, model: ModelShape) -> None:
+        """The filter layers must be the model's, and a ``--kv-ratio`` must leave the sparse layers something
+        at the context limit."""
+        try:
+            self.source_layers(model.num_layers)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; run `python -m kvpolicy.calibrate --model {model.name}`") from None
+        if model.ratio is not None:
+            self.sparse_budget(model.ratio, model.max_model_len, model.num_layers)
 
     def sparse_budget(self, mem: float, context_len: int, num_layers: int) -> int:
         """Tokens a sparse layer attends to so that the cache read is ``mem`` of the whole (paper §5)."""

@@ -16,15 +16,18 @@ from typing import Any
 Check = Callable[[Any], "str | None"]
 
 
-def option(default: Any, help: str, *, flag: str | None = "", check: Check | None = None, strict: bool = True):
+def option(
+    default: Any, help: str, *, flag: str | None = "", check: Check | None = None, strict: bool = True, mode=None
+):
     """A dataclass field that is an option.
 
     ``flag``: the ``--kv-*`` name without the prefix, in snake case ("" for the field's own name,
     None when no flag sets it). ``strict``: a value other than the flag's default given with a policy
     that does not take it is refused; otherwise it is ignored (flags several policies read their own way,
-    such as ``--kv-window``, are not strict).
+    such as ``--kv-window``, are not strict). ``mode``: an engine option that only policies of this
+    ``Mode`` take (given with another, it is refused).
     """
-    return field(default=default, metadata={"help": help, "flag": flag, "check": check, "strict": strict})
+    return field(default=default, metadata={"help": help, "flag": flag, "check": check, "strict": strict, "mode": mode})
 
 
 def is_option(f: Field) -> bool:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kvpolicy.policies.base import Mode, Policy
+from kvpolicy.policies.base import Mode, ModelShape, Policy
 from kvpolicy.policies.options import existing_grouping, gate_threshold, not_negative, option, unit_interval
 
 #: The grouping shipped for the default model (``python -m kvpolicy.calibrate_pod``).
@@ -216,6 +216,19 @@ class PoD(Policy):
 
     def layer_groups(self) -> LayerGroups:
         return LayerGroups.load(self.groups or DEFAULT_GROUPS, self.delta)
+
+    def check_model(self, model: ModelShape) -> None:
+        """The layer grouping must be the model's: one block list per KV head covering every layer."""
+        if model.tensor_parallel > 1:
+            raise ValueError("--kv-policy pod does not support tensor parallelism yet; drop --tensor-parallel-size")
+        groups = self.layer_groups()
+        if (groups.num_layers, groups.num_heads) != (model.num_layers, model.num_kv_heads):
+            raise ValueError(
+                f"the PoD layer grouping {self.groups or 'shipped for SmolLM2-135M'} is for {groups.num_layers} "
+                f"layers x {groups.num_heads} KV heads, and {model.name} has {model.num_layers} x "
+                f"{model.num_kv_heads}; run `python -m kvpolicy.calibrate_pod --model {model.name} --out PATH` "
+                "and pass --kv-pod-groups PATH"
+            )
 
     def distant_range(self, num_tokens: int) -> tuple[int, int]:
         """[start, end) of a prompt's distant tokens: between the sinks and the recent window (may be empty)."""

@@ -14,7 +14,7 @@ import os
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_flag
 from kvpolicy.flags import FLAGS
-from kvpolicy.policies import POLICIES, Mode
+from kvpolicy.policies import POLICIES, ModelShape
 from kvpolicy.vllm.connectors import compose, offloading_child, offloads_prefix
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
@@ -260,39 +260,18 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
         )
     if not model_config.is_attention_free and model_config.is_hybrid:
         raise KVPolicyConfigError(f"{model_config.model} is a hybrid model; use --kv-policy none")
-    if POLICIES[config.policy].mode is Mode.SELECT:
-        num_layers = model_config.get_num_layers(vllm_config.parallel_config)
-        try:
-            config.make_policy().source_layers(num_layers)
-        except ValueError as exc:
-            raise KVPolicyConfigError(
-                f"{exc}; run `python -m kvpolicy.calibrate --model {model_config.model}`"
-            ) from None
-        if config.ratio is not None:
-            config.sparse_budget(model_config.max_model_len, num_layers)
-    if POLICIES[config.policy].mode is Mode.SHARE:
-        _check_pod_groups(config, vllm_config)
-
-
-def _check_pod_groups(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
-    """PoD's layer grouping must be the model's: one block list per KV head covering every layer."""
-    model_config = vllm_config.model_config
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        raise KVPolicyConfigError(
-            "--kv-policy pod does not support tensor parallelism yet; drop --tensor-parallel-size"
-        )
+    model = ModelShape(
+        name=model_config.model,
+        num_layers=model_config.get_num_layers(vllm_config.parallel_config),
+        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        tensor_parallel=tensor_parallel,
+        max_model_len=model_config.max_model_len,
+        ratio=config.ratio,
+    )
     try:
-        groups = config.make_policy().layer_groups()
+        config.make_policy().check_model(model)
     except ValueError as exc:
         raise KVPolicyConfigError(str(exc)) from None
-    num_layers = model_config.get_num_layers(vllm_config.parallel_config)
-    num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
-    if (groups.num_layers, groups.num_heads) != (num_layers, num_kv_heads):
-        raise KVPolicyConfigError(
-            f"the PoD layer grouping {config.make_policy().groups or 'shipped for SmolLM2-135M'} is for {groups.num_layers} layers x "
-            f"{groups.num_heads} KV heads, and {model_config.model} has {num_layers} x {num_kv_heads}; run "
-            f"`python -m kvpolicy.calibrate_pod --model {model_config.model} --out PATH` and pass --kv-pod-groups PATH"
-        )
 
 
 def patch_engine_args() -> None:

@@ -18,20 +18,9 @@ unless asked for, and refused when asked for.
 from __future__ import annotations
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
-from kvpolicy.policies import POLICIES, Mode
+from kvpolicy.policies import POLICIES
 from kvpolicy.policies.compose import TokenSelector
 from kvpolicy.policies.snapkv import Pyramid
-
-#: mode -> why it cannot run under pipeline parallelism
-CROSSES_STAGES = {
-    Mode.SELECT: (
-        "its filter layers choose the pages the later layers read, and under pipeline parallelism the later "
-        "layers run on another stage, which the selection does not reach"
-    ),
-    Mode.SHARE: (
-        "its layer groups read one layer's attention scores in other layers, and a stage holds only its own layers' KV"
-    ),
-}
 
 
 def check_pipeline(config: KVPolicyConfig, pipeline_parallel_size: int) -> None:
@@ -39,7 +28,7 @@ def check_pipeline(config: KVPolicyConfig, pipeline_parallel_size: int) -> None:
     if pipeline_parallel_size <= 1:
         return
     flag = f"--pipeline-parallel-size {pipeline_parallel_size}"
-    why = CROSSES_STAGES.get(POLICIES[config.policy].mode)
+    why = POLICIES[config.policy].mode.traits.crosses_stages
     if why is not None:
         raise KVPolicyConfigError(f"--kv-policy {config.policy} cannot run with {flag}: {why}; drop one of them")
     policy = config.make_policy()

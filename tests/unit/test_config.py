@@ -41,7 +41,9 @@ def test_offload_is_an_omnikv_host_pool_size():
 
 def test_page_pool_is_for_policies_that_relocate_pages():
     for policy in ("omnikv", "pod"):  # omnikv relocates nothing; PoD's layout always spans every layer
-        with pytest.raises(KVPolicyConfigError, match=f"relocate pages per layer, not to --kv-policy {policy}"):
+        with pytest.raises(
+            KVPolicyConfigError, match=f"--kv-page-pool applies to --kv-policy adamix.* snapkv, streaming, not {policy}"
+        ):
             KVPolicyConfig(policy=policy, budget=256 if policy == "omnikv" else None, page_pool="layer")
     assert KVPolicyConfig(policy="pyramid", budget=256, page_pool="layer").page_pool == "layer"
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.policies import ModelShape
 from kvpolicy.policies.omnikv import OmniKV, PageChoice, context_scores, page_sums
 
 
@@ -116,3 +117,12 @@ def test_paged_keys_score_like_the_flat_sequence():
     blocks = torch.randn(2, 2, 4, 16, 16).transpose(-1, -2).contiguous().transpose(-1, -2)  # K stored transposed
     flat = blocks.reshape(2, 2, 64, 16)
     torch.testing.assert_close(context_scores(queries, blocks, lengths), context_scores(queries, flat, lengths))
+
+
+def test_omnikv_refuses_a_model_its_filter_layers_or_ratio_do_not_fit():
+    policy = OmniKV(filter_layers=(2, 9, 15))
+    policy.check_model(ModelShape("m", num_layers=30, num_kv_heads=3, max_model_len=8192, ratio=0.5))
+    with pytest.raises(ValueError, match=r"out of range.*python -m kvpolicy.calibrate --model m"):
+        policy.check_model(ModelShape("m", num_layers=12, num_kv_heads=3))
+    with pytest.raises(ValueError, match="raise --kv-ratio"):
+        policy.check_model(ModelShape("m", num_layers=30, num_kv_heads=3, max_model_len=8192, ratio=0.1))
