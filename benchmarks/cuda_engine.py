@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 from benchmarks.common import RESULTS_DIR, markdown_table, provenance, write_json  # noqa: E402
 

@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 from benchmarks.common import ANSWER_QUESTION, RESULTS_DIR, metric_total, passkey_prompts, write_results  # noqa: E402
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 import kvpolicy_triton as kt  # noqa: E402
 from benchmarks.common import RESULTS_DIR, plot_timings, write_results  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 import kvpolicy_csrc  # noqa: E402
 from benchmarks.common import RESULTS_DIR, plot_timings, write_results  # noqa: E402

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD  # noqa: E402

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, policy_options, write_results  # noqa: E402
 

@@ -94,3 +94,14 @@ def test_relative_markdown_links_resolve():
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 broken.append(f"{where} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_benchmarks_put_the_repository_after_installed_packages_on_the_path():
+    """A benchmark imports kvpolicy as installed: prepended, the tree's ``triton_kernels/`` would shadow
+    OpenAI's package of that name, which vLLM imports for MoE models."""
+    prepending = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "benchmarks").rglob("*.py"))
+        if re.search(r"sys\.path\.insert\(\s*0", path.read_text())
+    ]
+    assert not prepending, prepending
