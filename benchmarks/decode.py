@@ -176,7 +176,7 @@ def run_engine(args) -> dict:
 
     import kvpolicy.vllm  # noqa: F401
     from kvpolicy.config import KVPolicyConfig
-    from kvpolicy.model import prepare
+    from kvpolicy.offline.model import prepare
 
     offload = args.engine == "offload"
     llm = LLM(

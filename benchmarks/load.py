@@ -324,7 +324,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from kvpolicy.model import prepare
+    from kvpolicy.offline.model import prepare
 
     preset = "quick" if args.quick else "full"
     settings = PRESETS[preset]

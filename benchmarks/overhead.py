@@ -156,7 +156,7 @@ def main() -> int:
     from vllm import LLM
 
     import kvpolicy.vllm  # noqa: F401
-    from kvpolicy.model import prepare
+    from kvpolicy.offline.model import prepare
 
     longest = max(case.prompt_len for case in cases)
     llm = LLM(

@@ -6,7 +6,7 @@
 A higher δ groups fewer layers (Algorithm 1 of PoD, arXiv:2412.02252), so fewer (layer, KV head)
 pairs share the distant tokens' logits: less K+V saved, answers nearer the full cache's. Each δ's
 grouping is made from the similarity the shipped calibration measured
-(``kvpolicy/data/pod_groups_smollm2.json``; ``python -m kvpolicy.calibrate_pod --delta X`` measures
+(``kvpolicy/data/pod_groups_smollm2.json``; ``python -m kvpolicy.offline.calibrate_pod --delta X`` measures
 it again; ``--kv-pod-delta X`` regroups it at serve time), saved under ``results/pod_delta_groups/`` and
 served with ``--kv-pod-groups``. The answers
 come from the quality harness (``benchmarks/quality.py``, its prompts, its cell cache, its JSON beside

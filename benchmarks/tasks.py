@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvpolicy.sample_text import haystack_text
+from kvpolicy.offline.sample_text import haystack_text
 
 TASKS = ("passkey", "niah", "multikey", "kv", "twostage")
 ANSWER_TOKENS = 16

@@ -93,7 +93,7 @@ def run_one(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     import kvpolicy.vllm  # noqa: F401
-    from kvpolicy.model import prepare
+    from kvpolicy.offline.model import prepare
     from kvpolicy.policies import POLICIES
 
     name = args.policy.partition(":")[0]

@@ -17,6 +17,6 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from kvpolicy.model import prepare
+    from kvpolicy.offline.model import prepare
 
     return prepare()

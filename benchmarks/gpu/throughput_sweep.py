@@ -272,7 +272,7 @@ def pool_bytes(preset: dict, pool: str) -> int:
 
 def prepare(carry: Path) -> Path:
     """The default model's tokenizer, xz-compressed (3.5 MB -> 0.45 MB), in the folder that is carried."""
-    from kvpolicy.model import prepare as prepare_default_model
+    from kvpolicy.offline.model import prepare as prepare_default_model
 
     source = prepare_default_model()
     target = carry / "tokenizer"

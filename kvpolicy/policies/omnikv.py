@@ -124,7 +124,7 @@ class OmniKV(Policy):
     """``omnikv``: sparse decode attention behind filter layers; the cache stays whole.
 
     ``filter_layers``: the layers whose last-token attention selects the
-    context (``python -m kvpolicy.calibrate`` proposes them). ``dense_layers``:
+    context (``python -m kvpolicy.offline.calibrate`` proposes them). ``dense_layers``:
     layers below it always attend to everything.
     """
 
@@ -133,7 +133,7 @@ class OmniKV(Policy):
     filter_layers: tuple[int, ...] = option(
         (2, 9, 15),
         "the layers that select the context of the layers after them, e.g. 2,8,18 (the default is calibrated "
-        "for SmolLM2-135M; `python -m kvpolicy.calibrate` proposes them for a model)",
+        "for SmolLM2-135M; `python -m kvpolicy.offline.calibrate` proposes them for a model)",
         check=increasing_layers,
         strict=False,
     )
@@ -162,7 +162,7 @@ class OmniKV(Policy):
         try:
             self.source_layers(model.num_layers)
         except ValueError as exc:
-            raise ValueError(f"{exc}; run `python -m kvpolicy.calibrate --model {model.name}`") from None
+            raise ValueError(f"{exc}; run `python -m kvpolicy.offline.calibrate --model {model.name}`") from None
         if model.ratio is not None:
             self.sparse_budget(model.ratio, model.max_model_len, model.num_layers)
 

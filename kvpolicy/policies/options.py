@@ -82,4 +82,4 @@ def gate_threshold(value) -> str | None:
 def existing_grouping(value) -> str | None:
     if Path(value).is_file():
         return None
-    return f"{value}: no such file; make one with `python -m kvpolicy.calibrate_pod --model MODEL --out PATH`"
+    return f"{value}: no such file; make one with `python -m kvpolicy.offline.calibrate_pod --model MODEL --out PATH`"

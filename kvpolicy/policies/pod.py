@@ -39,7 +39,7 @@ import torch
 from kvpolicy.policies.base import Mode, ModelShape, Policy
 from kvpolicy.policies.options import existing_grouping, gate_threshold, not_negative, option, unit_interval
 
-#: The grouping shipped for the default model (``python -m kvpolicy.calibrate_pod``).
+#: The grouping shipped for the default model (``python -m kvpolicy.offline.calibrate_pod``).
 DEFAULT_GROUPS = Path(__file__).resolve().parent.parent / "data" / "pod_groups_smollm2.json"
 
 
@@ -123,7 +123,7 @@ class LayerGroups:
         if "similarity" not in grouping:
             raise ValueError(
                 f"{path} holds no similarity to regroup at delta {delta:g}; make it with "
-                "`python -m kvpolicy.calibrate_pod --model MODEL --out PATH`, or drop --kv-pod-delta"
+                "`python -m kvpolicy.offline.calibrate_pod --model MODEL --out PATH`, or drop --kv-pod-delta"
             )
         return cls.of(group_layers(torch.tensor(grouping["similarity"], dtype=torch.float64), delta))
 
@@ -200,7 +200,7 @@ class PoD(Policy):
     )
     groups: str | None = option(
         None,
-        "the layer blocks of `python -m kvpolicy.calibrate_pod --model MODEL --out PATH` (default: the ones "
+        "the layer blocks of `python -m kvpolicy.offline.calibrate_pod --model MODEL --out PATH` (default: the ones "
         "shipped for SmolLM2-135M; another model's shape is refused with that command)",
         flag="pod_groups",
         check=existing_grouping,
@@ -226,7 +226,7 @@ class PoD(Policy):
             raise ValueError(
                 f"the PoD layer grouping {self.groups or 'shipped for SmolLM2-135M'} is for {groups.num_layers} "
                 f"layers x {groups.num_heads} KV heads, and {model.name} has {model.num_layers} x "
-                f"{model.num_kv_heads}; run `python -m kvpolicy.calibrate_pod --model {model.name} --out PATH` "
+                f"{model.num_kv_heads}; run `python -m kvpolicy.offline.calibrate_pod --model {model.name} --out PATH` "
                 "and pass --kv-pod-groups PATH"
             )
 

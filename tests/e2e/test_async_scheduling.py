@@ -12,7 +12,7 @@ crossed a block boundary 13 steps later wrote three tokens over it.
 
 import pytest
 
-from kvpolicy.model import prepare_tiny
+from kvpolicy.offline.model import prepare_tiny
 from kvpolicy.vllm.metrics import GAUGES
 
 RUN = ("--block-size", "32", "--pool-mib", "256")

@@ -33,7 +33,7 @@ def test_a_small_budget_reads_fewer_pages_and_holds_nothing_after(engine_run):
 def test_a_filter_layer_the_model_lacks_is_refused_before_loading(engine_run):
     stderr = engine_run("--policy", "omnikv", "--budget", "256", "--filter-layers", "2,40", fails=True)
     assert "--kv-filter-layers [40] out of range" in stderr
-    assert "python -m kvpolicy.calibrate" in stderr
+    assert "python -m kvpolicy.offline.calibrate" in stderr
 
 
 #: Prompts that cross a page boundary while decoding (1140 + 40 > 9 pages, 380 + 40 > 3 pages), so the

@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from kvpolicy.model import prepare_tiny
+from kvpolicy.offline.model import prepare_tiny
 
 RUN = ("--prompt-lens", "40", "200", "129", "--max-tokens", "6", "--chunk", "64")
 POLICIES = {

@@ -14,7 +14,7 @@ steps. Its prompts here fit one step, as on one engine.
 
 import pytest
 
-from kvpolicy.model import prepare_tiny
+from kvpolicy.offline.model import prepare_tiny
 from kvpolicy.vllm.metrics import PER_REQUEST
 
 pytestmark = pytest.mark.engine

@@ -9,7 +9,7 @@ keeps: the same tokens, the same counts, counted once in the metrics.
 
 import pytest
 
-from kvpolicy.model import prepare_tiny
+from kvpolicy.offline.model import prepare_tiny
 
 RUN = ("--budget", "64", "--max-tokens", "12")
 

@@ -59,7 +59,7 @@ def test_serve_help_lists_the_kv_options():
             "unknown --kv-policy 'bogus'; choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, snapkv, streaming",
         ),
         (["--kv-policy", "identity", "--kv-budget", "0"], "--kv-budget must be a positive"),
-        (["--kv-policy", "pod", "--kv-pod-groups", "/nonexistent.json"], "python -m kvpolicy.calibrate_pod"),
+        (["--kv-policy", "pod", "--kv-pod-groups", "/nonexistent.json"], "python -m kvpolicy.offline.calibrate_pod"),
         (["--kv-policy", "pod", "--kv-pod-tau", "2"], "gate threshold in [0, 1]"),
         (["--kv-policy", "snapkv", "--kv-budget", "64", "--kv-pod-tau", "0.7"], "apply to --kv-policy pod"),
         (["--kv-budget", "64"], "--kv-budget need --kv-policy"),

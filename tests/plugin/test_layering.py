@@ -17,7 +17,7 @@ def _modules_after(imports: str) -> set[str]:
 
 def test_pure_layers_do_not_import_vllm():
     loaded = _modules_after(
-        "kvpolicy, kvpolicy.config, kvpolicy.policies, kvpolicy.paging, kvpolicy.model, kvpolicy.calibrate, kvpolicy.calibrate_pod, kvpolicy.train_pod"
+        "kvpolicy, kvpolicy.config, kvpolicy.policies, kvpolicy.paging, kvpolicy.offline.model, kvpolicy.offline.calibrate, kvpolicy.offline.calibrate_pod, kvpolicy.offline.train_pod"
     )
     assert not any(m == "vllm" or m.startswith("vllm.") for m in loaded)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvpolicy.calibrate import filter_ability, last_token_attention, layer_roles, propose, similarity_matrix
+from kvpolicy.offline.calibrate import filter_ability, last_token_attention, layer_roles, propose, similarity_matrix
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,8 @@ def test_no_proposal_when_no_layer_reaches_the_threshold():
 
 
 def test_calibrate_imports_no_vllm():
-    code = "import sys, kvpolicy.calibrate; print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
+    code = (
+        "import sys, kvpolicy.offline.calibrate; print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

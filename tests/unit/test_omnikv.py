@@ -122,7 +122,7 @@ def test_paged_keys_score_like_the_flat_sequence():
 def test_omnikv_refuses_a_model_its_filter_layers_or_ratio_do_not_fit():
     policy = OmniKV(filter_layers=(2, 9, 15))
     policy.check_model(ModelShape("m", num_layers=30, num_kv_heads=3, max_model_len=8192, ratio=0.5))
-    with pytest.raises(ValueError, match=r"out of range.*python -m kvpolicy.calibrate --model m"):
+    with pytest.raises(ValueError, match=r"out of range.*python -m kvpolicy.offline.calibrate --model m"):
         policy.check_model(ModelShape("m", num_layers=12, num_kv_heads=3))
     with pytest.raises(ValueError, match="raise --kv-ratio"):
         policy.check_model(ModelShape("m", num_layers=30, num_kv_heads=3, max_model_len=8192, ratio=0.1))

@@ -1,4 +1,4 @@
-"""PoD post-training (``kvpolicy.train_pod``) on a tiny random Llama: the sharing attention against eager attention
+"""PoD post-training (``kvpolicy.offline.train_pod``) on a tiny random Llama: the sharing attention against eager attention
 and against eq. 3-4 written from the paper, and a resumable two-step run whose export reloads as a plain model."""
 
 import json
@@ -9,8 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from kvpolicy.offline.train_pod import (
+    ATTENTION_NAME,
+    CHECKPOINT,
+    SharedAttention,
+    export,
+    held_out_loss,
+    train,
+    use_sharing,
+)
 from kvpolicy.policies.pod import LayerGroups
-from kvpolicy.train_pod import ATTENTION_NAME, CHECKPOINT, SharedAttention, export, held_out_loss, train, use_sharing
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 4, 2, 16, 128
 SINKS, RECENT = 3, 5

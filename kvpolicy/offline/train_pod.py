@@ -1,10 +1,10 @@
 """Post-train a model for PoD's sharing pattern (§2.2), on the essays, with transformers on CPU.
 
-    python -m kvpolicy.train_pod [--model PATH] [--groups PATH] [--out DIR] [--steps N] [--length TOKENS]
+    python -m kvpolicy.offline.train_pod [--model PATH] [--groups PATH] [--out DIR] [--steps N] [--length TOKENS]
                                  [--sink-tokens N] [--recent-tokens N] [--lr X] [--save-every N]
 
 PoD lets a layer reuse, for distant tokens, the attention logits of the lowest
-layer of its block (eq. 3-4, grouping from ``python -m kvpolicy.calibrate_pod``);
+layer of its block (eq. 3-4, grouping from ``python -m kvpolicy.offline.calibrate_pod``);
 the paper post-trains the model with that sharing in place so that it learns to
 live with it. Here the training forward is eq. 3-4 for every query position at
 once (the masked parallel form of Figure 2-②), registered as a transformers
@@ -51,8 +51,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvpolicy.calibrate import add_model_arguments, load_model, model_label, provenance, sample_windows
-from kvpolicy.model import MODEL_NAME, default_model_dir, prepare
+from kvpolicy.offline.calibrate import add_model_arguments, load_model, model_label, provenance, sample_windows
+from kvpolicy.offline.model import MODEL_NAME, default_model_dir, prepare
 from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups
 
 ATTENTION_NAME = "pod_sharing"
@@ -193,7 +193,7 @@ def export(model, out: Path, tokenizer_source: Path | None = None) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvpolicy.train_pod", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpolicy.offline.train_pod", description=__doc__.split("\n")[0])
     add_model_arguments(parser, length=1024)
     parser.add_argument(
         "--groups",
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     windows = [torch.tensor([token_ids[start : start + args.length]]) for start in starts]
 
     log = {
-        **provenance("kvpolicy.train_pod", argv, versions),
+        **provenance("kvpolicy.offline.train_pod", argv, versions),
         "settings": {
             "model": model_label(args.model),
             "groups": str(args.groups),

@@ -1,6 +1,6 @@
 """Calibrate OmniKV for a model: measure inter-layer attention similarity, propose filter layers.
 
-    python -m kvpolicy.calibrate [--model PATH] [--prompts N] [--length TOKENS]
+    python -m kvpolicy.offline.calibrate [--model PATH] [--prompts N] [--length TOKENS]
                                  [--top-k K] [--span N] [--threshold X] [--out PATH]
 
 OmniKV (paper §3, §4.1) lets a few *filter* layers pick the context that the
@@ -67,8 +67,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvpolicy.offline.sample_text import haystack_text
 from kvpolicy.policies.omnikv import OmniKV
-from kvpolicy.sample_text import haystack_text
 
 DEFAULT_OUT = Path("benchmarks/results/omnikv_calibration.json")
 MAX_FILTER_LAYERS = 3
@@ -114,7 +114,7 @@ def load_model(path: Path | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
-        from kvpolicy.model import prepare
+        from kvpolicy.offline.model import prepare
 
         path = prepare()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -229,7 +229,7 @@ def plot(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvpolicy.calibrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpolicy.offline.calibrate", description=__doc__.split("\n")[0])
     add_model_arguments(parser, length=2048)
     parser.add_argument("--prompts", type=int, default=4, help="sample windows of the essays (default 4)")
     parser.add_argument("--top-k", type=int, default=256, help="tokens a layer selects (default 256)")
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     payload = {
-        **provenance("kvpolicy.calibrate", argv, versions),
+        **provenance("kvpolicy.offline.calibrate", argv, versions),
         "settings": {
             "model": model_label(args.model),
             "prompts": args.prompts,

@@ -1,9 +1,9 @@
 """Group a model's layers for PoD: head-wise inter-layer attention similarity, then Algorithm 1.
 
-    python -m kvpolicy.calibrate_pod [--model PATH] [--prompts N] [--length TOKENS]
+    python -m kvpolicy.offline.calibrate_pod [--model PATH] [--prompts N] [--length TOKENS]
                                      [--queries Q] [--delta X] [--out PATH]
 
-The sibling of ``python -m kvpolicy.calibrate`` (OmniKV), on the same text
+The sibling of ``python -m kvpolicy.offline.calibrate`` (OmniKV), on the same text
 (Paul Graham essays) and windows. Per prompt, every layer's post-softmax
 attention of the last ``--queries`` tokens over the tokens before them
 (PoD §2.1, ``S^{l,h}`` with q rows), per query head. ``sim_h(a, b)`` is one
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvpolicy.calibrate import add_model_arguments, load_model, model_label, provenance, sample_windows
+from kvpolicy.offline.calibrate import add_model_arguments, load_model, model_label, provenance, sample_windows
 from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD, group_layers, js_similarity
 
 
@@ -79,7 +79,9 @@ def plot(path: Path, sim: torch.Tensor, groups: LayerGroups, delta: float) -> No
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvpolicy.calibrate_pod", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpolicy.offline.calibrate_pod", description=__doc__.split("\n")[0]
+    )
     add_model_arguments(parser, length=2048)
     parser.add_argument("--prompts", type=int, default=4, help="sample windows of the essays (default 4)")
     parser.add_argument(
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     payload = {
-        **provenance("kvpolicy.calibrate_pod", argv, versions),
+        **provenance("kvpolicy.offline.calibrate_pod", argv, versions),
         "settings": {
             "model": model_label(args.model),
             "prompts": args.prompts,
