@@ -88,6 +88,18 @@ class OffloadPlan:
     keep_blocks: set[int]  # block-table positions
 
 
+def offload_blocks(
+    full_layers: Sequence[bool], num_heads: int, block_size: int, length: int, staging_pages: int
+) -> int:
+    """Blocks (of its ``write_order``) an offload of ``length`` tokens keeps: every full layer's pages, a
+    tail page and ``staging_pages`` per sparse (layer, head), packed over every layer of a block, and one
+    spare for decode growth."""
+    num_sparse = list(full_layers).count(False)
+    num_layers = len(full_layers)
+    pages = num_heads * ((num_layers - num_sparse) * math.ceil(length / block_size) + num_sparse * (1 + staging_pages))
+    return math.ceil(pages / (num_layers * num_heads)) + 1
+
+
 @dataclass(frozen=True)
 class SparseCall:
     """One sparse layer's view of a request: load ``loads.src`` (host) into ``loads.dst`` (device),
@@ -178,14 +190,8 @@ class OffloadedRequest(BlockPages):
         return OffloadPlan(PageCopies.of(to_host), PageCopies.of(on_device), set(keep))
 
     def blocks_needed(self, length: int, staging_pages: int) -> int:
-        """Blocks an offload of ``length`` tokens keeps: every full layer's pages, a tail page and
-        ``staging_pages`` per sparse (layer, head), packed, and one spare for decode growth (capped
-        by the request's blocks: vLLM appends more as it grows)."""
-        num_sparse = self.full.count(False)
-        pages = self.num_heads * (
-            (self.num_layers - num_sparse) * math.ceil(length / self.block_size) + num_sparse * (1 + staging_pages)
-        )
-        return min(math.ceil(pages / (self.num_layers * self.num_heads)) + 1, len(self.blocks))
+        """``offload_blocks``, capped by the request's blocks: vLLM appends more as it grows."""
+        return min(offload_blocks(self.full, self.num_heads, self.block_size, length, staging_pages), len(self.blocks))
 
     def _grow_staging(self, layer: int, count: int) -> None:
         missing = count - len(self.staged[layer])

@@ -58,6 +58,14 @@ def write_order(num_blocks: int, shared: Sequence[int] = (), cached: Sequence[in
     return own + sorted(last - skip, reverse=True)
 
 
+def relocation_blocks(entries: int, num_heads: int, block_size: int) -> int:
+    """The most blocks, of a request's ``write_order``, a relocation writes and keeps when its fullest
+    layer holds ``entries`` (token, head) entries: their pages, each head's last one part-filled, and a
+    block spare for decode growth (``RequestPages.blocks_to_keep``)."""
+    pages = -(-entries // block_size) + num_heads
+    return -(-pages // num_heads) + 1
+
+
 @dataclass(frozen=True)
 class TokenMoves:
     """One layer's relocation: the token at ``src[i]`` moves to ``dst[i]``.

@@ -47,6 +47,24 @@ class SharedLayoutPlan:
     values: ValuePairs
 
 
+def layout_page_counts(
+    keeps_distant_keys: np.ndarray, block_size: int, length: int, distant: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """[layers, heads] main tokens, and pages of packed distant values, of a layout of ``length`` tokens."""
+    start, end = distant
+    counts = np.where(keeps_distant_keys, length, length - (end - start))
+    value_pages = np.where(keeps_distant_keys, 0, math.ceil(math.ceil((end - start) / 2) / block_size))
+    return counts, value_pages
+
+
+def layout_blocks(keeps_distant_keys: np.ndarray, block_size: int, length: int, distant: tuple[int, int]) -> int:
+    """Blocks a layout of ``length`` tokens packs into (of its ``write_order``), plus one spare for decode
+    growth: vLLM appends a block only when the request's length crosses a block boundary, heads fill earlier."""
+    counts, value_pages = layout_page_counts(keeps_distant_keys, block_size, length, distant)
+    needed = int((-(-counts // block_size)).sum() + value_pages.sum())
+    return math.ceil(needed / keeps_distant_keys.size) + 1
+
+
 class SharedPages(BlockPages):
     """Where each (layer, kv head) of one PoD request lives: main K/V pages and packed distant values."""
 
@@ -82,18 +100,10 @@ class SharedPages(BlockPages):
         return self.distant[1] - self.distant[0]
 
     def _page_counts(self, length: int, distant: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """[layers, heads] main tokens, and pages of packed distant values, of a layout of ``length`` tokens."""
-        start, end = distant
-        counts = np.where(self.keeps_keys, length, length - (end - start))
-        value_pages = np.where(self.keeps_keys, 0, math.ceil(math.ceil((end - start) / 2) / self.block_size))
-        return counts, value_pages
+        return layout_page_counts(self.keeps_keys, self.block_size, length, distant)
 
     def blocks_needed(self, length: int, distant: tuple[int, int]) -> int:
-        """Blocks a layout of ``length`` tokens packs into, plus one spare for decode growth: vLLM
-        appends a block only when the request's length crosses a block boundary, heads fill earlier."""
-        counts, value_pages = self._page_counts(length, distant)
-        needed = int((-(-counts // self.block_size)).sum() + value_pages.sum())
-        return math.ceil(needed / (self.num_layers * self.num_heads)) + 1
+        return layout_blocks(self.keeps_keys, self.block_size, length, distant)
 
     def layout(self, length: int, distant: tuple[int, int]) -> SharedLayoutPlan:
         """Plan the move of ``length`` tokens in vLLM's stock layout to this layout; ``distant`` [start, end)."""

@@ -140,18 +140,15 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
             "requests the last step relocated, so the connector cannot tell which copies came after; drop one"
         )
     # vLLM's asynchronous scheduler (its CUDA default) schedules a step before it reads the step
-    # before's report; a request admitted then may hit the prefix cache on blocks that step relocated
-    # into, whose hashes leave the cache only with the report (connector.py), and the offloading
-    # connector would not know which of its copies came after a relocation (relocations.py).
-    prefix_caching = engine_args.enable_prefix_caching is not False
-    if config.rewrites_blocks and (prefix_caching or offloading):
+    # before's report. With prefix caching the connector takes the blocks a step may rewrite out of
+    # the cache when it schedules the step (rewrites.py); the offloading connector, though, would not
+    # know which of its copies came after a relocation (relocations.py), so beside it the synchronous
+    # scheduler stays.
+    if config.rewrites_blocks and offloading:
         if engine_args.async_scheduling:
-            reasons = [
-                name for name, on in (("prefix caching", prefix_caching), ("OffloadingConnector", offloading)) if on
-            ]
             raise KVPolicyConfigError(
-                f"--kv-policy {config.policy} with {' and '.join(reasons)} needs vLLM's synchronous scheduler; "
-                f"drop --async-scheduling{'' if offloading else ' or add --no-enable-prefix-caching'}"
+                f"--kv-policy {config.policy} with OffloadingConnector needs vLLM's synchronous scheduler; "
+                "drop --async-scheduling"
             )
         engine_args.async_scheduling = False
     if config.rewrites_blocks:
@@ -196,10 +193,6 @@ def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
         raise KVPolicyConfigError(
             "--kv-page-pool model (one page pool over every layer's cache) was only run on vLLM's CPU platform; "
             "drop it on CUDA"
-        )
-    if config.offload is not None:
-        raise KVPolicyConfigError(
-            "--kv-offload is not available on CUDA in this release (its host tier was only run on CPU); drop it"
         )
     if os.environ.get(MODEL_RUNNER_V2_ENV, "0").lower() not in ("0", "false"):
         raise KVPolicyConfigError(

@@ -10,10 +10,12 @@ of a prompt being read other requests also read (never written) and which are
 in the prefix cache (written last). PoD lays short prompts out once they
 decode past the recent window, and an offload may come at the end of a
 recompute past the prompt (after a preemption): for them, of every request
-not moved yet. Before the next step is scheduled (kvpolicy keeps vLLM's
-synchronous scheduler with prefix caching), the blocks a relocated request
-keeps leave the prefix cache and it caches no more: they hold its pages, not
-the tokens their hashes name. The blocks it hands back keep their tokens, and
+not moved yet. The blocks a relocated request keeps leave the prefix cache
+and it caches no more: they hold its pages, not the tokens their hashes name.
+Under vLLM's synchronous scheduler that happens when the step's report comes,
+before the next step is scheduled, for exactly the blocks it kept; under its
+asynchronous one, when the step is scheduled, for every block the step may
+rewrite (``rewrites.py``). The blocks it hands back keep their tokens, and
 their hashes, for the next prompt.
 
 vLLM's asynchronous scheduler schedules step N+1 before it reads step N's
@@ -35,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.paging import write_order
 from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
@@ -49,6 +52,7 @@ from kvpolicy.vllm.internals import (
 from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
 from kvpolicy.vllm.releases import BlockReleases
 from kvpolicy.vllm.relocations import RELOCATIONS
+from kvpolicy.vllm.rewrites import RewriteBound
 from kvpolicy.vllm.state import WorkerState
 
 
@@ -78,6 +82,9 @@ class KVPolicyConnector(KVConnectorBase_V1):
         self._relocated: dict[str, Any] = {}
         self._max_model_len = vllm_config.model_config.max_model_len
         self._block_size = vllm_config.cache_config.block_size
+        # Under vLLM's asynchronous scheduler, the blocks a step may rewrite leave the prefix cache when
+        # the step is scheduled (rewrites.py); under its synchronous one, those the report names.
+        self._rewrites: RewriteBound | None = None
         # Worker side: the worker's state, bound by the worker hook (``bind_worker``).
         self._worker: WorkerState | None = None
 
@@ -92,6 +99,12 @@ class KVPolicyConnector(KVConnectorBase_V1):
         if config is not None and config.reserve_growth:
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
         self._moves_after_prompt = config is not None and config.moves_after_prompt
+        vllm_config = self._vllm_config
+        if config is not None and config.rewrites_blocks and vllm_config.scheduler_config.async_scheduling:
+            model, parallel = vllm_config.model_config, vllm_config.parallel_config
+            self._rewrites = RewriteBound(
+                config, model.get_num_kv_heads(parallel), model.get_num_layers(parallel), self._block_size
+            )
 
     def growth_blocks(self) -> int:
         """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``)."""
@@ -108,25 +121,37 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._reading[request.request_id] = request
+        if self._rewrites is not None:
+            self._rewrites.done.discard(request.request_id)  # a preempted request's new blocks cache again
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        """Which blocks of each prompt being read are shared or cached, when prefix caching is on."""
+        """Which blocks of each prompt being read are shared or cached, when prefix caching is on; under
+        the asynchronous scheduler, the blocks this step may rewrite leave the prefix cache now."""
         RELOCATIONS.next_step()
         manager = self._kv_cache_manager
         caching = manager is not None and manager.enable_caching
         sharing = {}
         for req_id, request in list(self._reading.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
             if request.num_computed_tokens >= request.num_prompt_tokens and not self._moves_after_prompt:
                 del self._reading[req_id]
-            elif caching and req_id in scheduler_output.num_scheduled_tokens:
+            elif caching and scheduled:
                 shared, cached = block_sharing(manager, req_id)
                 if shared or cached:
                     sharing[req_id] = (shared, cached)
+                if self._rewrites is not None:
+                    num_blocks = -(-(request.num_computed_tokens + scheduled) // self._block_size)
+                    order = write_order(num_blocks, shared, cached)
+                    rewritten = self._rewrites.positions(request, scheduled, order)
+                    if rewritten:
+                        stop_caching(manager, req_id, set(rewritten))
         return KVPolicyConnectorMetadata(sharing)
 
     def request_finished(self, request, block_ids):
         self._reading.pop(request.request_id, None)
         self._relocated.pop(request.request_id, None)
+        if self._rewrites is not None:
+            self._rewrites.done.discard(request.request_id)
         return False, None
 
     def update_connector_output(self, connector_output) -> None:

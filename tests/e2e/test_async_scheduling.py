@@ -1,7 +1,8 @@
 """vLLM's asynchronous scheduler gives kvpolicy's policies what its synchronous one gives, bit for bit.
 
 That scheduler (vLLM's CUDA default) schedules step N+1 before it reads step
-N's block releases (``kvpolicy/vllm/connector.py``). vLLM's CPU platform turns
+N's block releases (``kvpolicy/vllm/connector.py``); with prefix caching, the
+blocks step N may rewrite leave the cache when N is scheduled. vLLM's CPU platform turns
 it off; ``engine_run.py --async-scheduling`` turns it back on, and vLLM's engine
 core, scheduler and model runner run it on CPU as on a GPU. The runs are those
 of the first GPU check: the tiny model of head size 64, 32-token blocks, a
@@ -14,6 +15,9 @@ import pytest
 
 from kvpolicy.offline.model import prepare_tiny
 from kvpolicy.vllm.metrics import GAUGES
+from tests.e2e.conftest import assert_same_outputs, shared_prefix_args
+
+BLOCK_SIZE = 128  # the default model's on CPU
 
 RUN = ("--block-size", "32", "--pool-mib", "256")
 #: Memory snapshots of the last step's report: the worker learns of finished requests a step later
@@ -45,8 +49,30 @@ def test_asynchronous_scheduling_gives_the_synchronous_tokens_logprobs_and_count
     assert asynchronous["kv_cache_usage_end"] == 0
 
 
-def test_prefix_caching_keeps_the_synchronous_scheduler(engine_run, tiny_model):
-    refused = engine_run(
-        *POLICIES["adasnap"], *RUN, "--prefix-caching", "--async-scheduling", model=tiny_model, fails=True
-    )
-    assert "with prefix caching needs vLLM's synchronous scheduler" in refused
+#: A 2,000-token prefix, then two prompts sharing it (the first alone, then the other), on the default model:
+#: per policy the flags of its run, and the blocks the second prompt finds cached under each scheduler.
+PREFIX_RUNS = {
+    # The bound evicts one block more than the kept ones the synchronous report names.
+    "adasnap": (("--prompt-lens", "100", "150"), 13, 12),
+    # Evicts chunk by chunk and reads no prefix cache, but its blocks must still leave it before reuse.
+    "keydiff": (("--prompt-lens", "100", "150"), 0, 0),
+    "pod": (("--recent-tokens", "128", "--pod-delta", "0.5", "--prompt-lens", "100", "150"), 3, 3),
+    "omnikv": (("--offload", "1", "--prompt-lens", "100", "150"), 10, 10),
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("policy", sorted(PREFIX_RUNS))
+def test_with_prefix_caching_the_asynchronous_scheduler_gives_the_synchronous_outputs(engine_run, policy):
+    """The blocks a step rewrites leave the prefix cache when the step is scheduled (kvpolicy/vllm/rewrites.py),
+    so no request scheduled before the step's report hits them: the outputs are the synchronous scheduler's,
+    and the second prompt still finds the first's untouched blocks."""
+    flags, synchronous_blocks, asynchronous_blocks = PREFIX_RUNS[policy]
+    args = shared_prefix_args(policy, *flags, "--prefix-caching")
+    synchronous = engine_run(*args)
+    asynchronous = engine_run(*args, "--async-scheduling")
+    assert (synchronous["async_scheduling"], asynchronous["async_scheduling"]) == (False, True)
+    assert_same_outputs(synchronous, asynchronous)
+    cached = [run["requests"][1]["cached_tokens"] for run in (synchronous, asynchronous)]
+    assert cached == [synchronous_blocks * BLOCK_SIZE, asynchronous_blocks * BLOCK_SIZE]
+    assert asynchronous["kv_cache_usage_end"] == 0

@@ -67,7 +67,10 @@ def test_serve_help_lists_the_kv_options():
             ["--kv-policy", "identity", "--kv-budget", "9000", "--max-model-len", "2048"],
             "--kv-budget 9000 is larger than --max-model-len 2048",
         ),
-        (["--kv-policy", "snapkv", "--kv-budget", "64", "--async-scheduling"], "needs vLLM's synchronous scheduler"),
+        (
+            ["--kv-policy", "snapkv", "--kv-budget", "64", "--kv-offloading-size", "1", "--async-scheduling"],
+            "with OffloadingConnector needs vLLM's synchronous scheduler",
+        ),
     ],
 )
 def test_bad_options_fail_before_the_model_loads(model_path, args, message):

@@ -1,0 +1,67 @@
+"""What the scheduler takes out of the prefix cache when it schedules a step, under its asynchronous mode:
+every block the step may rewrite, bounded as the worker's own room check bounds a relocation."""
+
+from types import SimpleNamespace
+
+from kvpolicy.config import KVPolicyConfig
+from kvpolicy.paging import write_order
+from kvpolicy.vllm.rewrites import RewriteBound
+
+HEADS, LAYERS, BLOCK = 3, 30, 128
+
+
+def request(prompt: int, computed: int, num_tokens: int | None = None, **extra):
+    return SimpleNamespace(
+        request_id="r",
+        num_prompt_tokens=prompt,
+        num_computed_tokens=computed,
+        num_tokens=prompt if num_tokens is None else num_tokens,
+        sampling_params=SimpleNamespace(extra_args=extra or None),
+    )
+
+
+def bound(**options) -> RewriteBound:
+    return RewriteBound(KVPolicyConfig(**options), HEADS, LAYERS, BLOCK)
+
+
+def test_a_relocation_rewrites_at_most_the_blocks_the_workers_room_check_allows():
+    rewrites = bound(policy="adasnap", budget=256)
+    order = write_order(17, cached=range(16))  # a 2,100-token prompt in the prefix cache but its last block
+    assert order[:3] == [16, 15, 14]
+    assert rewrites.positions(request(2100, 1024), 512, order) == []  # a chunk before the last: nothing yet
+    # 3 heads x 257 tokens: 7 pages, 3 part-filled ones, in 4 blocks, and a spare block.
+    assert rewrites.positions(request(2100, 1536), 564, order) == [16, 15, 14, 13, 12]
+    assert rewrites.positions(request(2100, 2100, 2101), 1, order) == [], "relocated once: its blocks left already"
+
+
+def test_a_request_the_policy_leaves_alone_rewrites_nothing():
+    order = write_order(3)
+    assert bound(policy="adasnap", budget=512).positions(request(300, 0), 300, order) == []  # under budget
+    assert bound(policy="adasnap", budget=128).positions(request(300, 0, kv_policy="none"), 300, order) == []
+    assert bound(policy="omnikv", budget=128).positions(request(300, 0), 300, order) == []  # nothing moves
+
+
+def test_keydiff_rewrites_at_every_chunk_over_budget_and_a_preempted_request_starts_over():
+    rewrites = bound(policy="keydiff", budget=128)
+    order = write_order(8)
+    first = rewrites.positions(request(1000, 0), 256, order)
+    assert first and first == order[: len(first)]
+    assert rewrites.positions(request(1000, 256), 256, order) == first  # still reading: evicted again
+    rewrites.positions(request(1000, 768), 232, order)
+    assert "r" in rewrites.done
+    rewrites.done.discard("r")  # the connector forgets a preempted request when it is scheduled again
+    assert rewrites.positions(request(1000, 0, 1010), 1010, order)  # recomputes prompt and output
+
+
+def test_a_layout_or_an_offload_rewrites_the_blocks_it_packs_into():
+    """What tests/e2e/test_prefix_caching.py measures after a 2,000-token prefix: PoD's layout holds 14 of
+    the 17 blocks, OmniKV's offload 7."""
+    order = write_order(17, cached=range(16))
+    pod = bound(policy="pod", recent_tokens=128, pod_delta=0.5)
+    assert pod.positions(request(2100, 0), 2100, order) == order[:14]
+    short = bound(policy="pod")  # 1,008 recent tokens: a 1,000-token prompt lays out only once it decodes
+    assert short.positions(request(1000, 0), 1000, order) == []
+    assert short.positions(request(1000, 1160, 1161), 1, order)
+    offload = bound(policy="omnikv", budget=256, offload=1.0)
+    assert offload.positions(request(2100, 0), 2100, order) == order[:7]
+    assert offload.positions(request(2100, 2100, 2101), 1, order) == [], "a decode row does not offload"
