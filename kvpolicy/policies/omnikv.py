@@ -85,12 +85,12 @@ def page_sums(scores: torch.Tensor, page_size: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class PageChoice:
     """OmniKV's page choice for a batch of sequences, all of it that the scores do not decide: made once
-    per step on the host (numpy), then ``choose`` in every filter layer.
+    per step on the host (numpy), then ``choose`` in every filter layer, where the scores are.
 
     Row ``r`` of ``lengths`` tokens keeps the best ``counts[r] = ceil(budgets[r] / page_size)``
     of its ``num_pages[r]`` pages, always including the last (current) one; every page when
-    they are not more than that. On the host because the choice sizes the sparse layers'
-    call, which the host builds, and a few dozen pages per row are less work than device ops.
+    they are not more than that. The counts size the sparse layers' call, which the host builds;
+    which pages fill it is the device's to pick, so no score is read back.
     """
 
     num_pages: np.ndarray
@@ -104,19 +104,25 @@ class PageChoice:
         counts = np.minimum(-(-np.asarray(budgets, dtype=np.int64) // page_size), num_pages)
         return cls(num_pages, counts, np.arange(counts.max()) < counts[:, None], bool((counts < num_pages).any()))
 
-    def choose(self, page_scores: np.ndarray) -> np.ndarray:
+    def choose(
+        self, page_scores: torch.Tensor, kept: torch.Tensor | None = None, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Each row's kept page indices, ascending, in its first ``counts[r]`` entries, then zeros,
-        [rows, most kept]; ``page_scores`` [rows, pages]: summed token scores (``page_sums``). Among
-        equal scores the lower page wins."""
-        last = self.num_pages - 1
+        [rows, most kept], where ``page_scores`` [rows, pages] (summed token scores, ``page_sums``) are.
+        Among equal scores the lower page wins. ``kept`` and ``last`` (each row's current page): this
+        choice's on the scores' device, when the caller has them there already."""
+        device = page_scores.device
+        kept = torch.from_numpy(self.kept).to(device, non_blocking=True) if kept is None else kept
+        last = torch.from_numpy(self.num_pages - 1).to(device, non_blocking=True) if last is None else last
+        width = page_scores.shape[1]
         # The current page is always kept; the others compete, pages past the row's last never.
-        candidates = np.where(np.arange(page_scores.shape[1]) >= last[:, None], -np.inf, page_scores)
-        ranked = np.argsort(-candidates, axis=1, kind="stable")[:, : self.kept.shape[1] - 1]
+        pages = torch.arange(width, device=device)
+        candidates = torch.where(pages[None, :] >= last[:, None], -math.inf, page_scores)
+        ranked = torch.sort(-candidates, dim=1, stable=True).indices[:, : kept.shape[1] - 1]
         # Past a row's count, a value above every page sorts last; the current page sorts after the chosen ones.
-        ranked[~self.kept[:, 1:]] = page_scores.shape[1]
-        chosen = np.sort(np.concatenate([ranked, last[:, None]], axis=1), axis=1)
-        chosen[~self.kept] = 0
-        return chosen
+        ranked = torch.where(kept[:, 1:], ranked, width)
+        chosen = torch.sort(torch.cat([ranked, last[:, None]], dim=1), dim=1).values
+        return torch.where(kept, chosen, 0)
 
 
 @dataclass(frozen=True)

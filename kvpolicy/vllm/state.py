@@ -85,6 +85,8 @@ class WorkerState:
     _page_space: PageSpace | None = None
     _layer_indices: dict[str, int] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+    #: Counts made where the cache is, added up there and read at the report, not in the step.
+    device_counts: dict[str, torch.Tensor] = field(default_factory=dict)
     _reported_memory: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -195,8 +197,17 @@ class WorkerState:
             "saved_kv_bytes": (full_blocks - blocks) * block_bytes,
         }
 
+    def count_on_device(self, key: str, count: torch.Tensor) -> None:
+        """Add a count the step made on the device, without reading it back in the step."""
+        total = self.device_counts.get(key)
+        self.device_counts[key] = count if total is None else total + count
+
     def take_report(self) -> dict[str, int]:
-        """Counter increments since the last report, and the memory snapshot when it changed."""
+        """Counter increments since the last report (device counts read here, after the step), and the
+        memory snapshot when it changed."""
+        for key, total in self.device_counts.items():
+            self.counters[key] += int(total)
+        self.device_counts.clear()
         report = {key: value for key, value in self.counters.items() if value}
         self.counters.clear()
         memory = self.memory_now()

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from kvpolicy.paging import (
@@ -191,10 +190,12 @@ class ContextSelection:
     """OmniKV's decode rows of a step: filter layers select their pages, the layers after them attend to those.
 
     ``token_idx``: the rows' query tokens (one each); ``lengths``: their context
-    lengths (int64); ``table``: the vLLM blocks that hold it, [rows, pages] on the
-    host (the choice gathers from it); ``page_ids``: those blocks as one-head pages,
+    lengths (int64); ``table``: the vLLM blocks that hold it, [rows, pages] (the
+    choice gathers from it where the scores are); ``page_ids``: those blocks as one-head pages,
     [rows, kv_heads, pages], what the filter layers score; ``choice``: how many
-    pages each row keeps (its budget), ``seq_lens`` the tokens they hold (int32).
+    pages each row keeps (its budget), ``kept`` and ``last`` its mask of kept
+    entries and each row's current page as tensors (staged with the step),
+    ``seq_lens`` the tokens they hold (int32).
     All made once per step, for every filter layer. ``selected`` fills as the step
     runs: filter layer -> the sparse layers' one call (the step's stock rows over
     all their pages, then these over their selected ones). ``plan``: the ops'
@@ -203,9 +204,11 @@ class ContextSelection:
 
     token_idx: torch.Tensor
     lengths: torch.Tensor
-    table: np.ndarray
+    table: torch.Tensor
     page_ids: torch.Tensor
     choice: PageChoice
+    kept: torch.Tensor
+    last: torch.Tensor
     seq_lens: torch.Tensor
     plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
     selected: dict[int, AttentionBatch] = field(default_factory=dict)
@@ -217,9 +220,9 @@ class OffloadedBatch:
     sequences per row over vLLM's whole KV buffer (``WorkerState.page_space``), in every layer.
 
     Virtual tokens (``rows``) are ordered (row, head). ``slots[l]``: where layer ``l`` writes the
-    new K/V; ``flushes[l]``: full tail pages it copies to the host first. ``full[l]``: a
-    full-attention layer's call. ``chosen`` fills as filter layers select: filter layer -> per
-    row, the page indices its sparse layers read.
+    new K/V; ``flushes``: the full tail pages of every sparse layer, copied to the host before the
+    step's first layer writes. ``full[l]``: a full-attention layer's call. ``loaded`` fills as filter
+    layers select: sparse layer -> its call over the staging pages, and the pending load of them.
     """
 
     token_idx: torch.Tensor
@@ -227,28 +230,25 @@ class OffloadedBatch:
     requests: list[OffloadedRequest]
     budgets: list[int]
     slots: torch.Tensor
-    flushes: list[PageCopies]
+    flushes: PageCopies
     full: dict[int, AttentionBatch]
     plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
-    chosen: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    loaded: dict[int, tuple[AttentionBatch, Any]] = field(default_factory=dict)
 
 
 @dataclass
 class RelocatingStep(OnPath):
     """A step of a relocating policy: ``stock`` is the call of the rows the platform attends as usual
-    (None when every row is stock, no row per head or summed)."""
+    (None when every row is stock, no row per head or summed); ``platform_layout_tokens``: the tokens
+    whose K/V the platform's writer stores in vLLM's blocks, the stock rows and summed chunks (made
+    with the step, so its staged copy serves every layer)."""
 
     stock: AttentionBatch | None = None
     per_head: PerHeadBatch | None = None
     summed: list[SummedChunk] = field(default_factory=list)
     relocations: list[Relocation] = field(default_factory=list)
     window_stash: list[WindowStash] = field(default_factory=list)
-
-    @functools.cached_property
-    def platform_layout_tokens(self) -> torch.Tensor:
-        """Tokens whose K/V the platform's writer stores in vLLM's blocks: the stock rows and summed chunks
-        (asked by every layer, after the builder has finished the step)."""
-        return torch.cat([self.stock.token_idx, *(chunk.token_idx for chunk in self.summed)])
+    platform_layout_tokens: torch.Tensor | None = None
 
 
 @dataclass

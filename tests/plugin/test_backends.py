@@ -56,12 +56,11 @@ def test_cuda_builder_gives_up_cuda_graphs_for_attention_only_while_a_policy_cha
     assert support("adasnap") == AttentionCGSupport.NEVER
 
 
-def test_on_cuda_a_policy_gets_vllms_triton_attention_v1_model_runner_and_synchronous_scheduler(on_cuda):
+def test_on_cuda_a_policy_gets_vllms_triton_attention_and_v1_model_runner(on_cuda):
     engine_args = EngineArgs(model="m")
     args._prepare_engine_args(engine_args, KVPolicyConfig(policy="adasnap", budget=128))
     assert engine_args.worker_cls == args.GPU_WORKER_CLS
     assert engine_args.attention_backend == AttentionBackendEnum.TRITON_ATTN
-    assert engine_args.async_scheduling is False
     assert args.os.environ[MODEL_RUNNER_V2_ENV] == "0"
 
 
@@ -69,7 +68,6 @@ def test_on_cuda_a_policy_gets_vllms_triton_attention_v1_model_runner_and_synchr
     "options, env, message",
     [
         ({"attention_backend": AttentionBackendEnum.FLASH_ATTN}, {}, "drop --attention-backend FLASH_ATTN"),
-        ({"async_scheduling": True}, {}, "drop --async-scheduling"),
         ({}, {MODEL_RUNNER_V2_ENV: "1"}, f"unset {MODEL_RUNNER_V2_ENV}"),
     ],
 )
@@ -92,9 +90,10 @@ def test_on_cuda_pages_stay_in_each_layers_cache(on_cuda):
 
 @pytest.mark.parametrize(
     "policy, prefix_caching",
-    [("adasnap", False), ("omnikv", None)],  # omnikv without --kv-offload writes no block
+    # The blocks a step rewrites leave the prefix cache when it is scheduled (rewrites.py).
+    [("adasnap", False), ("adasnap", None), ("pod", True), ("omnikv", None)],
 )
-def test_on_cuda_a_policy_that_rewrites_no_cached_block_keeps_vllms_asynchronous_scheduler(
+def test_on_cuda_every_policy_keeps_vllms_asynchronous_scheduler_prefix_caching_or_not(
     on_cuda, policy, prefix_caching
 ):
     engine_args = EngineArgs(model="m", enable_prefix_caching=prefix_caching)
@@ -146,3 +145,10 @@ def test_a_pod_delta_without_a_similarity_to_regroup_is_refused_at_startup(tmp_p
     config = KVPolicyConfig(policy="pod", pod_groups=str(blocks_only), pod_delta=0.5)
     with pytest.raises(ValueError, match="holds no similarity to regroup at delta 0.5"):
         config.make_policy().check_model(ModelShape("m", 30, 3))
+
+
+def test_on_cuda_omnikvs_host_offload_is_accepted_in_the_layout_its_page_space_addresses(on_cuda):
+    engine_args = EngineArgs(model="m")
+    args._prepare_engine_args(engine_args, KVPolicyConfig(policy="omnikv", budget=512, offload=1.0))
+    assert engine_args.worker_cls == args.GPU_WORKER_CLS
+    assert args.os.environ[KV_CACHE_LAYOUT_ENV] == "LBHNC"

@@ -67,7 +67,7 @@ def test_page_selection_equals_reference():
         scores[row, length:] = 0
     budgets = [100, 256, 512, 200]
     choice = PageChoice.of(lengths.numpy(), 32, budgets)
-    chosen, counts = choice.choose(page_sums(scores, 32).numpy()), choice.counts
+    chosen, counts = choice.choose(page_sums(scores, 32)), choice.counts
     for row, length in enumerate(lengths.tolist()):
         assert chosen[row, : counts[row]].tolist() == reference_pages(scores[row], length, 32, budgets[row])
     assert counts.tolist() == [4, 5, 2, 7] and chosen.shape == (4, 7)
@@ -77,7 +77,7 @@ def test_page_selection_equals_reference():
 def test_a_high_scoring_token_brings_its_page():
     scores = torch.zeros(1, 256, dtype=torch.float64)
     scores[0, 70] = 1.0
-    assert PageChoice.of(np.array([256]), 32, [64]).choose(page_sums(scores, 32).numpy()).tolist() == [[2, 7]]
+    assert PageChoice.of(np.array([256]), 32, [64]).choose(page_sums(scores, 32)).tolist() == [[2, 7]]
 
 
 def test_layer_roles_follow_equations_1_and_2():

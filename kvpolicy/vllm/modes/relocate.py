@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpolicy.paging import PageStore, RequestPages, stock_slots, virtual_tokens
+from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_slots, virtual_tokens
 from kvpolicy.policies import Policy, Schedule
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
 from kvpolicy.vllm.modes.carried import CarriedScores, CarriedState
@@ -186,9 +186,11 @@ class Relocate(ModeState[RelocatedRequest]):
                 order = np.argsort(index, kind="stable")
                 index, pages = index[order], [pages[i] for i in order]
             draft.step.per_head = self._per_head_batch(index, pages, batch, shape)
+        step = draft.step
         if draft.per_head_rows or draft.summed_rows:
-            draft.step.stock = shape.stock_batch(batch, draft.per_head_rows + draft.summed_rows)
-        return draft.step
+            step.stock = shape.stock_batch(batch, draft.per_head_rows + draft.summed_rows)
+            step.platform_layout_tokens = torch.cat([step.stock.token_idx, *(c.token_idx for c in step.summed)])
+        return step
 
     def _decoding_rows(self, draft: _Draft, batch: HostBatch, shape: StepShape, schedule: Schedule) -> list[int] | None:
         """Under a policy that never evicts after relocation, a relocated request's row only needs room for
@@ -332,8 +334,9 @@ class Relocate(ModeState[RelocatedRequest]):
         """Whether the blocks relocation may write (``order``: not those other requests read) hold the
         most a layer can keep, and a spare block."""
         heads = shape.num_kv_heads
-        pages = -(-policy.layer_token_bound(budget, num_tokens, heads) // shape.block_size) + heads
-        return len(order) * heads >= pages + heads
+        return len(order) >= relocation_blocks(
+            policy.layer_token_bound(budget, num_tokens, heads), heads, shape.block_size
+        )
 
     def _evicts_now(self, row: Row, pages: RequestPages, reading: bool, shape: StepShape) -> bool:
         """An evicting policy compresses at every prompt chunk over budget, and in decode once some

@@ -29,15 +29,14 @@ from kvpolicy.vllm.modes.relocate import Relocate
 from kvpolicy.vllm.step import PerHeadBatch, PlatformAttend, PlatformWrite, RelocatingStep, Relocation
 
 
-def _rows(query: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
-    """A copy of the query rows at the step's host indices, where the queries are; the indices go there
-    without waiting (indexing with host indices copies them over with a blocking copy, which waits for
-    the stream)."""
-    return query[token_idx.to(query.device, non_blocking=True)]
-
-
 class PerHeadPath(ModePath):
     mode: Relocate
+
+    def _rows(self, query: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
+        """A copy of the query rows at the step's host indices, where the queries are: the indices from the
+        step's staged copy (indexing with host indices copies them over with a blocking copy, which waits
+        for the stream)."""
+        return query[self.ops.on_device(token_idx, query.device)]
 
     def write(self, layer, key, value, kv_cache, step: RelocatingStep, platform_write: PlatformWrite) -> None:
         """The relocated rows' new K/V into their own pages; the platform writes the rest."""
@@ -45,7 +44,7 @@ class PerHeadPath(ModePath):
         if per_head is None:
             platform_write(None)
             return
-        platform_write(step.platform_layout_tokens)
+        platform_write(self.ops.on_device(step.platform_layout_tokens, key.device))
         cache = self.mode.relocated_cache(kv_cache)
         self.ops.write(layer, cache, key, value, per_head.rows, per_head.slots[self.layer_index(layer)])
 
@@ -74,7 +73,7 @@ class PerHeadPath(ModePath):
         """Stash window queries, add new tokens' attention, relocate completed prompts, run eviction passes;
         after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
-            self.mode.stash_window(stash.req_id, layer_idx, _rows(query, stash.token_idx))
+            self.mode.stash_window(stash.req_id, layer_idx, self._rows(query, stash.token_idx))
         if step.per_head is not None and self.worker.policy.inputs.attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
@@ -109,7 +108,7 @@ class PerHeadPath(ModePath):
                 continue
             queries = None
             if policy.inputs.window or policy.inputs.attention:
-                queries = self.mode.take_window(relocation.req_id, layer_idx, _rows(query, relocation.window_idx))
+                queries = self.mode.take_window(relocation.req_id, layer_idx, self._rows(query, relocation.window_idx))
             prompt, slots = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
             counts = relocation.num_tokens, relocation.num_computed
             if not policy.schedule.across_layers:

@@ -14,6 +14,7 @@ the host tier are ``PageCopies``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -126,9 +127,11 @@ class Select(ModeState[OffloadedRequest]):
         return ContextSelection(
             token_idx=torch.from_numpy(batch.query_start_loc[rows].astype(np.int64)),
             lengths=torch.from_numpy(lengths),
-            table=table,
+            table=torch.from_numpy(np.ascontiguousarray(table)),
             page_ids=torch.from_numpy(page_ids),
             choice=choice,
+            kept=torch.from_numpy(choice.kept),
+            last=torch.from_numpy(choice.num_pages - 1),
             seq_lens=torch.from_numpy(kept_tokens.astype(np.int32)),
             plan=shape.rows_plan,
         )
@@ -189,7 +192,7 @@ class Select(ModeState[OffloadedRequest]):
             requests=requests,
             budgets=[offloaded.budget for offloaded in rows],
             slots=torch.stack(slots, dim=1).reshape(shape.num_layers, -1),
-            flushes=[PageCopies.cat([row[layer] for row in flushes]) for layer in range(shape.num_layers)],
+            flushes=PageCopies.cat([copies for row in flushes for copies in row]),
             full=full,
             plan=shape.heads_plan,
         )
@@ -212,24 +215,27 @@ class SelectionPath(ModePath):
     mode: Select
 
     def write(self, layer, key, value, kv_cache, step: SelectingStep, platform_write: PlatformWrite) -> None:
-        """Offloaded rows' new K/V into their tail pages, after the full ones are flushed to the host; the
-        platform writes the resident rows."""
+        """Offloaded rows' new K/V into their tail pages, after the full ones (of every layer, in the first)
+        are flushed to the host; the platform writes the resident rows."""
         offloaded = step.offloaded
         if offloaded is None:
             platform_write(None)
             return
-        platform_write(step.resident.token_idx)
+        platform_write(self.ops.on_device(step.resident.token_idx, key.device))
         pages = self.worker.page_space().pages
         layer_idx = self.layer_index(layer)
-        flush = offloaded.flushes[layer_idx]
-        self.worker.counters["offloaded_kv_pages"] += flush.apply(pages.flatten(1), self.mode.host.pages)
+        if layer_idx == 0 and offloaded.flushes.src.numel():  # every layer's, before any layer reads the pool
+            copied = self.ops.copy_pages(pages.flatten(1), self.mode.host.pages, offloaded.flushes)
+            self.worker.counters["offloaded_kv_pages"] += copied
         self.ops.write(layer, pages, key, value, offloaded.rows, offloaded.slots[layer_idx])
 
     def attend(self, layer, query, out, kv_cache, step: SelectingStep, full_attention: PlatformAttend) -> None:
         """One layer of a selecting step; ``full_attention()`` is the platform's stock call over every row.
 
         Offloaded rows attend per head over the whole KV buffer: full layers to their own pages, sparse
-        layers to the selected pages loaded from the host pool into staging pages, then their tail.
+        layers to the selected pages loaded from the host pool into staging pages, then their tail. A filter
+        layer starts the loads of every sparse layer that reads its choice (``KVOps.load_pages``), so they
+        overlap the layers in between; each sparse layer waits for its own before it attends.
         """
         context, offloaded = step.context, step.offloaded
         layer_idx = self.layer_index(layer)
@@ -249,7 +255,11 @@ class SelectionPath(ModePath):
                         layer, query, out, kv_cache, context.page_ids, context.token_idx, context.lengths
                     )
                 if offloaded is not None and filter_layer:
-                    offloaded.chosen[layer_idx] = self._select_offloaded(layer, query, out, pages, layer_idx, offloaded)
+                    chosen = self._select_offloaded(layer, query, out, pages, layer_idx, offloaded)
+                    # The sparse layers after it load their pages now, on the side, and wait just before reading.
+                    for sparse, chooser in enumerate(step.sources):
+                        if chooser == layer_idx:
+                            offloaded.loaded[sparse] = self._load_selection(pages, sparse, offloaded, chosen)
                 elif offloaded is not None:
                     self.ops.attend(layer, query, out, pages, offloaded.full[layer_idx], offloaded.rows)
             if filter_layer and context is not None:
@@ -258,31 +268,38 @@ class SelectionPath(ModePath):
             # One call: the selected rows over their pages, the stock rows (if any) over all theirs.
             self.ops.attend(layer, query, out, kv_cache, step.stock if context is None else context.selected[source])
             if offloaded is not None:
-                batch = self._load_selection(pages, layer_idx, offloaded, offloaded.chosen[source])
+                batch, pending = offloaded.loaded[layer_idx]
+                self.ops.wait_pages(pending)
                 self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
         if step.offloads and layer_idx == len(step.sources) - 1:
             self._move_offloads(pages, step.offloads)
 
-    def _choose_pages(self, choice: PageChoice, scores: torch.Tensor | None) -> np.ndarray:
-        """The page choice for decode rows (eq. 3-4), for the whole batch at once, on the host: ``scores``
-        [rows, pages] as the filter layer's attention made them, None when every row keeps every page
-        (then nothing was scored)."""
+    def _count(self, choice: PageChoice) -> None:
         self.worker.counters["context_pages"] += int(choice.num_pages.sum())
         self.worker.counters["selected_pages"] += int(choice.counts.sum())
-        return choice.choose(np.zeros(choice.kept.shape) if scores is None else scores.cpu().numpy())
 
     def _select(self, heads: int, context: ContextSelection, stock: AttentionBatch, scores) -> AttentionBatch:
-        """Choose each decode row's pages by its last token's attention (eq. 3-4; ``scores`` as for
-        ``_choose_pages``) and build the sparse layers' call: ``stock``'s rows over all their pages, then
-        the decode rows over their selected pages."""
+        """Choose each decode row's pages by its last token's attention (eq. 3-4; ``scores`` [rows, pages]
+        as the filter layer made them, None when every row keeps every page, then nothing was scored) and
+        build the sparse layers' call: ``stock``'s rows over all their pages, then the decode rows over
+        their selected pages. The choice and the table it fills stay where the scores are: only how many
+        pages each row keeps, which the host knows, sizes the call."""
         choice = context.choice
-        chosen = self._choose_pages(choice, scores)
-        block_table = torch.from_numpy(np.where(choice.kept, np.take_along_axis(context.table, chosen, axis=1), 0))
+        self._count(choice)
+        if scores is None:
+            most = choice.kept.shape[1]
+            block_table = torch.where(torch.from_numpy(choice.kept), context.table[:, :most], 0)
+        else:
+            kept, last, table = (
+                self.ops.on_device(t, scores.device) for t in (context.kept, context.last, context.table)
+            )
+            block_table = torch.where(kept, torch.gather(table, 1, choice.choose(scores, kept, last)), 0)
         seq_lens, token_idx = context.seq_lens, context.token_idx
-        query_start_loc = torch.arange(len(chosen) + 1, dtype=torch.int32)
+        query_start_loc = torch.arange(len(token_idx) + 1, dtype=torch.int32)
         if stock.token_idx.numel():
             width = max(stock.block_table.shape[1], block_table.shape[1])
-            block_table = torch.cat([pad_columns(stock.block_table, width), pad_columns(block_table, width)])
+            stock_table = self.ops.on_device(stock.block_table, block_table.device)
+            block_table = torch.cat([pad_columns(stock_table, width), pad_columns(block_table, width)])
             seq_lens = torch.cat([stock.seq_lens, seq_lens])
             token_idx = torch.cat([stock.token_idx, token_idx])
             query_start_loc = torch.cat([stock.query_start_loc, stock.query_start_loc[-1] + query_start_loc[1:]])
@@ -294,40 +311,45 @@ class SelectionPath(ModePath):
         self, layer, query, out, pages, layer_idx: int, offloaded: OffloadedBatch
     ) -> list[np.ndarray]:
         """A filter layer for offloaded rows: their attention over their own pages and the choice it makes,
-        in one pass over their keys when some row leaves pages out (as for resident rows)."""
+        in one pass over their keys when some row leaves pages out (as for resident rows). The choice goes
+        to the host, which keeps the staging pages: the one read back of a selecting step."""
         batch = offloaded.full[layer_idx]
         page_ids = batch.block_table.long().view(len(offloaded.requests), -1, batch.block_table.shape[1])
         lengths = torch.tensor([request.length for request in offloaded.requests])
         choice = PageChoice.of(lengths.numpy(), pages.shape[2], offloaded.budgets)
-        scores = None
+        self._count(choice)
         if choice.drops:
             scores = self.ops.context_attention(layer, query, out, pages, page_ids, offloaded.token_idx, lengths)
+            chosen = choice.choose(scores).cpu().numpy()
         else:
             self.ops.attend(layer, query, out, pages, batch, offloaded.rows)
-        chosen = self._choose_pages(choice, scores)
+            chosen = np.where(choice.kept, np.arange(choice.kept.shape[1]), 0)
         return [row[:count] for row, count in zip(chosen, choice.counts.tolist())]
 
-    def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> AttentionBatch:
-        """Copy a sparse layer's selected pages from the host pool into staging; the call that reads them."""
+    def _load_selection(self, pages, layer_idx: int, offloaded: OffloadedBatch, chosen) -> tuple[AttentionBatch, Any]:
+        """Start copying a sparse layer's selected pages from the host pool into its staging pages (pages
+        still staged from the last step stay); the call that reads them, and what to wait on first."""
         calls = [
             request.sparse_call(layer_idx, rows_pages.tolist())
             for request, rows_pages in zip(offloaded.requests, chosen)
         ]
         loads = PageCopies.cat([call.loads for call in calls])
-        self.worker.counters["loaded_kv_pages"] += loads.apply(self.mode.host.pages, pages.flatten(1))
+        pending = self.ops.load_pages(self.mode.host.pages, pages.flatten(1), loads)
+        self.worker.counters["loaded_kv_pages"] += loads.src.numel()
         heads = len(offloaded.rows.token_of) // len(calls)
         table = padded_table([pages for call in calls for pages in call.table])
         seq_lens = torch.tensor([call.seq_len for call in calls], dtype=torch.int32).repeat_interleave(heads)
         query_start_loc = torch.arange(len(calls) * heads + 1, dtype=torch.int32)
-        return AttentionBatch(
+        batch = AttentionBatch(
             offloaded.token_idx, query_start_loc, seq_lens, table, 1, offloaded.plan(query_start_loc, seq_lens, table)
         )
+        return batch, pending
 
     def _move_offloads(self, pages, offloads: list[OffloadPlan]) -> None:
         """After the last layer: sparse layers' completed pages to the host, then the rest packed into
         the blocks each request keeps (every source read before any destination is written)."""
         flat = pages.flatten(1)
         for plan in offloads:
-            self.worker.counters["offloaded_kv_pages"] += plan.to_host.apply(flat, self.mode.host.pages)
-            plan.on_device.apply(flat, flat)
+            self.worker.counters["offloaded_kv_pages"] += self.ops.copy_pages(flat, self.mode.host.pages, plan.to_host)
+            self.ops.copy_pages(flat, flat, plan.on_device)
             self.worker.counters["offloaded_requests"] += 1

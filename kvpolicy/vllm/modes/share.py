@@ -139,7 +139,7 @@ class SharingPath(ModePath):
         if shared is None:
             platform_write(None)
             return
-        platform_write(step.stock.token_idx)
+        platform_write(self.ops.on_device(step.stock.token_idx, key.device))
         pages = self.worker.page_space().pages
         self.ops.write(layer, pages, key, value, shared.rows, shared.slots[self.layer_index(layer)])
 
@@ -177,10 +177,11 @@ class SharingPath(ModePath):
             tau,
         )
         skipped = self.ops.pod_attention(layer, query, out, self.worker.page_space().pages, call)
-        counters = self.worker.counters
-        counters["pod_distant_evaluated"] += int(self._sharing_heads[layer_idx]) * len(shared.requests) * group
+        self.worker.counters["pod_distant_evaluated"] += (
+            int(self._sharing_heads[layer_idx]) * len(shared.requests) * group
+        )
         if tau is not None:
-            counters["pod_distant_skipped"] += int(skipped.sum())
+            self.worker.count_on_device("pod_distant_skipped", skipped.sum())
 
     def _lay_out(self, layer, step: SharingStep) -> None:
         """Move each completed prompt into its shared layout: every source read before any destination is written."""

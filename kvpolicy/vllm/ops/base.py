@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy.paging import PageCopies
 from kvpolicy.vllm.ops.staging import TableMirror
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, SharedAttention, Step, SummedChunk
 
@@ -76,6 +77,22 @@ class KVOps(ABC):
         """Every token at ``src[i]`` to ``dst[i]``; safe when the two overlap (all read before any write)."""
         keys, values = self.gather(layer, cache, src)
         self.scatter(layer, cache, dst, keys, values)
+
+    def copy_pages(self, source: torch.Tensor, target: torch.Tensor, copies: PageCopies) -> int:
+        """Whole pages ``copies.src`` of ``source`` into ``copies.dst`` of ``target``, pools viewed as
+        [pages, page_elems] (the host pool and vLLM's KV buffer, either way, or the buffer into itself),
+        every source read before any destination is written; in the order of the step's work. Returns how
+        many pages it copies."""
+        return copies.apply(source, target)
+
+    def load_pages(self, source: torch.Tensor, target: torch.Tensor, copies: PageCopies) -> Any:
+        """Start copying pages from the host pool into device pages (as ``copy_pages``) so the copy can
+        overlap the layers before the one that reads them; ``wait_pages`` of the result before reading."""
+        self.copy_pages(source, target, copies)
+        return None
+
+    def wait_pages(self, pending: Any) -> None:  # noqa: B027 (a hook: copies made in place have nothing to wait for)
+        """Make the step's work wait for the pages ``load_pages`` started copying."""
 
     def prompt_column_sums(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor | None:
         """H2O/D2O's prompt scores from host tensors: ``kvpolicy.policies.h2o.attention_column_sums``

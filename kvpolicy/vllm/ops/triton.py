@@ -61,7 +61,7 @@ def plan_virtual_sequences(
     qsl = query_start_loc.long()
     counts = qsl[1:] - qsl[:-1]
     rows = counts.numel()
-    heads = torch.arange(kv_heads)
+    heads = torch.arange(kv_heads, device=block_table.device)
     virtual_counts = counts.repeat_interleave(kv_heads)
     virtual_qsl = torch.zeros(rows * kv_heads + 1, dtype=torch.int32)
     virtual_qsl[1:] = virtual_counts.cumsum(0)
@@ -158,6 +158,8 @@ class TritonOps(KVOps):
         self.staged: StagedStep | None = None
         #: The current step's per-head calls with their device arguments (None: the step has none).
         self.layer_calls: LayerCalls | None = None
+        #: The side stream that loads OmniKV's selected pages from the host pool (made at its first load).
+        self._copy_stream = None
 
     @staticmethod
     def check_impl(impl) -> None:
@@ -242,6 +244,33 @@ class TritonOps(KVOps):
             virtual.max_query_len,
             longest,
         )
+
+    def copy_pages(self, source, target, copies):
+        if source.device == target.device:  # within vLLM's buffer: one gather and scatter, indices staged
+            src, dst = self._on(target.device, copies.src, copies.dst)
+            target[dst] = source[src]
+            return copies.src.numel()
+        # Between the pinned host pool and the device: a copy per page, queued without waiting.
+        for src, dst in zip(copies.src.tolist(), copies.dst.tolist()):
+            target[dst].copy_(source[src], non_blocking=True)
+        return copies.src.numel()
+
+    def load_pages(self, source, target, copies):
+        if not target.is_cuda or not copies.src.numel():
+            return super().load_pages(source, target, copies)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(target.device)
+        # After everything the step queued so far (the flushes into the pool, last step's reads of the pages).
+        self._copy_stream.wait_stream(torch.cuda.current_stream(target.device))
+        with torch.cuda.stream(self._copy_stream):
+            self.copy_pages(source, target, copies)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        return done
+
+    def wait_pages(self, pending):
+        if pending is not None:
+            torch.cuda.current_stream().wait_event(pending)
 
     def gather(self, layer, cache, slots):
         return gather_tokens(cache, cache_geometry(layer, cache), *self._on(cache.device, slots))

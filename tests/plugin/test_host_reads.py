@@ -1,0 +1,250 @@
+"""No decode step of any policy family reads back what lies on the device.
+
+The step path runs as the engine runs it (the mode builds the step from a batch, the builder's ops
+stage it, and every layer writes and attends through ``step.write`` / ``step.attend``) over a KV
+cache on the ``meta`` device, which stands for a GPU whose data never reaches the host: the
+queries, keys and values, and everything the ops hand back, lie there too. A shim records every
+host read of such a tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, truth values,
+``nonzero``, a boolean mask) and every op that mixes a device tensor with a host one (indexing with
+host indices is a blocking copy on a GPU; most other mixes are errors there). Decode steps of
+relocated requests (every relocating policy, the evicting ones between their passes), OmniKV's
+selection in its filter layers, PoD's layout and its decode (with and without tau), and steps that
+mix a prompt chunk on the stock rows with them, must record nothing.
+
+What does read back, once per request rather than per step: Ada-KV's per-head counts and D2O's
+layer budgets at relocation (their policies' one read each; tests/plugin/test_per_head_device.py
+relocates the others over a ``meta`` cache), and OmniKV's choice for offloaded rows, whose staging
+pages the host keeps.
+"""
+
+from __future__ import annotations
+
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvpolicy.config import KVPolicyConfig
+from kvpolicy.vllm.modes import StepShape, make_mode, make_path
+from kvpolicy.vllm.ops import KVOps
+from kvpolicy.vllm.state import WorkerState
+from kvpolicy.vllm.step_builder import StepBuilder
+
+LAYERS, KV_HEADS, GROUP, HEAD_SIZE, BLOCK = 4, 2, 2, 16, 16
+CONTEXT, BUDGET, CHUNK = 160, 64, 48
+DEVICE = torch.device("meta")
+READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select"}
+#: Ops that may take a host tensor beside a device one: copies to the device.
+COPIES = {"to", "copy_", "__get__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records each host read of a ``meta`` tensor and each op mixing one with a host tensor of any size,
+    with the kvpolicy line that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        tensors = [t for t in _tensors((args, kwargs))]
+        if any(t.is_meta for t in tensors):
+            mask = name in ("__getitem__", "__setitem__") and any(
+                isinstance(t, torch.Tensor) and t.is_meta and t.dtype == torch.bool for t in _tensors(args[1:2])
+            )
+            mixed = name not in COPIES and any(not t.is_meta and t.dim() > 0 for t in tensors)
+            if name in READS or mask or mixed:
+                self.records.append(f"{name} ({'mixes host and device' if mixed else 'reads back'}) at {_caller()}")
+        return func(*args, **kwargs)
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _tensors(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _tensors(item)
+
+
+def _caller() -> str:
+    frames = [f for f in traceback.extract_stack() if "/kvpolicy/" in f.filename and "/tests/" not in f.filename]
+    return f"{frames[-1].filename.split('/kvpolicy/')[-1]}:{frames[-1].lineno}" if frames else "?"
+
+
+class DeviceOps(KVOps):
+    """Ops whose results lie where the cache is; nothing is computed (the kernels' own tests do that)."""
+
+    def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
+        return None
+
+    def on_device(self, tensor, device):
+        return tensor.to(device)
+
+    def write(self, layer, cache, key, value, rows, slots):
+        pass
+
+    def attend(self, layer, query, out, cache, batch, rows=None):
+        pass
+
+    def gather(self, layer, cache, slots):
+        return tuple(torch.empty(slots.numel(), HEAD_SIZE, device=cache.device) for _ in range(2))
+
+    def scatter(self, layer, cache, slots, keys, values):
+        pass
+
+    def move(self, layer, cache, src, dst):
+        pass
+
+    def new_token_weights(self, layer, query, cache, batch, rows):
+        return torch.zeros(batch.seq_lens.numel(), int(batch.seq_lens.max()), dtype=torch.float64, device=cache.device)
+
+    def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
+        return torch.zeros(page_ids.shape[0], page_ids.shape[2], dtype=torch.float64, device=cache.device)
+
+    def pod_attention(self, layer, query, out, cache, call):
+        return torch.zeros(call.token_of.numel(), GROUP, dtype=torch.bool, device=cache.device)
+
+
+class MetaEngine:
+    """What the builders and paths see of vLLM: its runner (requests, the batch's block table), the KV
+    caches (one buffer on ``meta``, each layer a contiguous slice), and each step's batch metadata."""
+
+    def __init__(self, config: KVPolicyConfig):
+        blocks_per_layer = 128
+        per_layer = blocks_per_layer * KV_HEADS * BLOCK * 2 * HEAD_SIZE
+        buffer = torch.empty(LAYERS * per_layer, device=DEVICE)
+        caches = [
+            buffer[i * per_layer : (i + 1) * per_layer].view(blocks_per_layer, KV_HEADS, BLOCK, 2 * HEAD_SIZE)
+            for i in range(LAYERS)
+        ]
+        self.runner = SimpleNamespace(kv_caches=caches, requests={}, input_batch=SimpleNamespace(req_ids=[]))
+        self.worker = WorkerState.of(config, self.runner)
+        self.mode = self.worker.mode = make_mode(self.worker)
+        ops = DeviceOps()
+        shape = StepShape(LAYERS, KV_HEADS, GROUP, BLOCK, 4 * CONTEXT, ops.plan)
+        self.builder = StepBuilder(self.worker, self.mode, make_path(self.mode, ops), ops, shape)
+        self.tables: dict[str, list[int]] = {}
+        self.layers = [
+            SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn", impl=SimpleNamespace(scale=0.25))
+            for i in range(LAYERS)
+        ]
+
+    def add(self, req_id: str, prompt_len: int, computed: int = 0) -> list[int]:
+        first = 16 * len(self.tables)
+        self.tables[req_id] = list(range(first, first + 16))
+        self.runner.requests[req_id] = SimpleNamespace(
+            num_prompt_tokens=prompt_len,
+            num_tokens=max(prompt_len, computed),
+            num_computed_tokens=computed,
+            sampling_params=SimpleNamespace(extra_args=None),
+        )
+        return self.tables[req_id]
+
+    def relocated(self, req_id: str, kept: int) -> None:
+        """A request whose prompt was relocated keeping ``kept`` tokens in every head, with what an evicting
+        policy carries."""
+        blocks = self.add(req_id, CONTEXT, CONTEXT)
+        shape = self.builder.shape
+        pages = self.mode.new_pages(blocks[: -(-CONTEXT // BLOCK)], None, None, shape)
+        for layer in range(LAYERS):
+            pages.relocate(layer, [torch.arange(kept)] * KV_HEADS)
+        pages.release_except(pages.blocks_to_keep(CONTEXT))
+        self.mode.track(req_id).pages = pages
+        policy = self.worker.policy
+        if policy.schedule.in_decode:
+            carried = self.mode.carried(req_id)
+            for layer in range(LAYERS):
+                carried.budgets[layer] = kept
+                carried.scored[layer] = policy.inputs.attention
+                if policy.inputs.attention:
+                    self.mode.scores.write(layer, carried.slot, torch.zeros(KV_HEADS, kept, device=DEVICE))
+
+    def step(self, rows: list[tuple[str, int]]) -> list[str]:
+        """One step of ``rows`` (request, new tokens): built, staged and run through every layer under the shim."""
+        requests = self.runner.requests
+        for req_id, new in rows:
+            requests[req_id].num_tokens = max(requests[req_id].num_tokens, requests[req_id].num_computed_tokens + new)
+        query_lens = torch.tensor([new for _, new in rows], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_start_loc[1:] = query_lens.cumsum(0)
+        seq_lens = torch.tensor([requests[r].num_computed_tokens + new for r, new in rows], dtype=torch.int32)
+        block_table = torch.tensor([self.tables[r] for r, _ in rows], dtype=torch.int32)
+        self.runner.input_batch.req_ids = [r for r, _ in rows]
+        self.runner.input_batch.block_table = [SimpleNamespace(get_cpu_tensor=lambda: block_table)]
+        cam = SimpleNamespace(
+            num_reqs=len(rows), query_start_loc_cpu=query_start_loc, seq_lens_cpu_upper_bound=seq_lens
+        )
+        tokens = int(query_start_loc[-1])
+        query = torch.empty(tokens, KV_HEADS * GROUP, HEAD_SIZE, device=DEVICE)
+        key = torch.empty(tokens, KV_HEADS, HEAD_SIZE, device=DEVICE)
+        out = torch.empty_like(query)
+        with HostReads() as shim:
+            step = self.builder.build(cam)
+            assert step is not None
+            for layer, cache in zip(self.layers, self.runner.kv_caches):
+                step.write(layer, key, key, cache, lambda idx: None if idx is None else key[idx])
+                step.attend(layer, query, out, cache, lambda: None)
+        self.worker.take_releases()
+        for req_id, new in rows:
+            requests[req_id].num_computed_tokens += new
+        return shim.records
+
+
+RELOCATING = ["identity", "snapkv", "adasnap", "pyramid", "adamix", "streaming", "keydiff", "h2o", "d2o"]
+
+
+@pytest.mark.parametrize("policy", RELOCATING)
+def test_decode_steps_of_relocated_requests_read_nothing_back(policy):
+    budget = None if policy == "identity" else BUDGET
+    engine = MetaEngine(KVPolicyConfig(policy=policy, budget=budget, window=8, page_pool="layer"))
+    for i in range(3):
+        engine.relocated(f"r{i}", CONTEXT if budget is None else budget)
+    decode = [(f"r{i}", 1) for i in range(3)]
+    for _ in range(3):
+        assert engine.step(decode) == []
+    engine.add("prompt", 2 * CHUNK)
+    assert engine.step([*decode, ("prompt", CHUNK)]) == [], "a prompt chunk on the stock rows beside them"
+
+
+def test_omnikvs_filter_layers_choose_on_the_device():
+    engine = MetaEngine(KVPolicyConfig(policy="omnikv", budget=BUDGET, filter_layers=(1,), dense_layers=1))
+    decode = []
+    for i in range(3):
+        engine.add(f"r{i}", CONTEXT, CONTEXT)
+        decode.append((f"r{i}", 1))
+    for _ in range(3):
+        assert engine.step(decode) == []
+    engine.add("prompt", 2 * CHUNK)
+    assert engine.step([*decode, ("prompt", CHUNK)]) == []
+
+
+@pytest.mark.parametrize("tau", [None, 0.7], ids=["every-distant-token", "tau"])
+def test_pods_layout_and_decode_read_nothing_back(tau, tmp_path):
+    import json
+
+    groups = tmp_path / "groups.json"
+    groups.write_text(json.dumps({"blocks": [[[0, 1], [2, 3]]] * KV_HEADS}))
+    engine = MetaEngine(
+        KVPolicyConfig(policy="pod", sink_tokens=4, recent_tokens=32, pod_groups=str(groups), pod_tau=tau)
+    )
+    engine.add("r", CONTEXT)
+    assert engine.step([("r", CONTEXT)]) == [], "the prompt completes: laid out after the last layer"
+    assert engine.worker.counters["pod_layouts"] == 1
+    for _ in range(3):
+        assert engine.step([("r", 1)]) == []
+
+
+def test_the_shim_sees_a_read_back_and_host_indices():
+    with HostReads() as shim:
+        cache = torch.empty(4, device=DEVICE)
+        cache[torch.tensor([0, 1])]
+        with pytest.raises(RuntimeError):
+            cache.sum().item()
+    assert [record.split(" ")[0] for record in shim.records] == ["__getitem__", "item"]
