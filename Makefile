@@ -43,8 +43,11 @@ prometheus:
 serve: model
 	PATH="$(CURDIR)/$(BIN):$$PATH" server/serve.sh
 
+# Two test workers, a core each (tests/conftest.py binds each worker and its engines to its own core); a
+# file's tests stay on one worker, so they share its engines and server.
+TEST_WORKERS ?= 2
 test: model prometheus
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff's lint and format check, configured in pyproject.toml (CI runs it before the tests).
 lint: $(VENV)/.deps

@@ -72,6 +72,10 @@ PRESETS = {
     "full": {"batches": [1, 16, 64, 256], "steps": 20},
     "quick": {"batches": [1, 16], "steps": 5},
 }
+#: The bounds a decode step's host side is held to (what CUDA graphs would not hide of it): host time at
+#: batch 256, and kvpolicy's kernel launches per layer (the write of the new K/V and the attention).
+HOST_MS_BOUND_AT_256 = 1.0
+LAUNCHES_PER_LAYER_BOUND = 2
 COLUMNS = [
     "step",
     "batch",
@@ -79,10 +83,12 @@ COLUMNS = [
     "layers_ms",
     "host_ms",
     "host_ms_per_row",
+    "launches",
     "h2d_copies",
     "h2d_bytes",
     "d2h_copies",
     "d2h_bytes",
+    "within_bounds",
 ]
 KVPOLICY_DIR = str(Path(triton_ops.__file__).resolve().parents[2])
 
@@ -117,6 +123,20 @@ class Traffic:
             staging.copy_to, torch.Tensor.cpu = real_copy, real_cpu
 
 
+#: Kernel launches of the stubbed kernels, by the step that made them (``counted``).
+LAUNCHES = Counter()
+
+
+def counted(kernel):
+    """A stubbed kernel that counts its launches."""
+
+    def launch(*args):
+        LAUNCHES["kernels"] += 1
+        return kernel(*args)
+
+    return launch
+
+
 @contextmanager
 def kernels_stubbed():
     """The Triton ops' kernels and the page tables' update on the device do nothing; ``gather_tokens`` returns
@@ -136,12 +156,12 @@ def kernels_stubbed():
         "scatter_tokens": lambda *args: None,
         "gather_tokens": gather,
         "new_token_weights": weights,
-        "cache_geometry": lambda layer, cache: None,
     }
-    saved = {name: getattr(triton_ops, name) for name in stubs}
+    saved = {name: getattr(triton_ops, name) for name in [*stubs, "cache_geometry"]}
     saved_update = staging.update_tables
     for name, stub in stubs.items():
-        setattr(triton_ops, name, stub)
+        setattr(triton_ops, name, counted(stub))
+    triton_ops.cache_geometry = lambda layer, cache: None
     staging.update_tables = lambda *args: None  # scatters into the device's page tables: device work on a GPU
     try:
         yield
@@ -281,7 +301,7 @@ def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
     for req_id in decoding:
         engine.add_request(req_id, CONTEXT, compressed=True)
     traffic = Traffic()
-    builds, layers = [], []
+    builds, layers, launches = [], [], []
     for step in range(steps + 1):
         rows = [(req_id, 1) for req_id in decoding]
         if mixed:  # a new prompt takes the row the last one left, after the decodes (``InputBatch.add_request``)
@@ -291,12 +311,18 @@ def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
         if step == 0:  # warm-up: caches of the first step
             engine.run_step(rows)
             continue
+        LAUNCHES.clear()
         with traffic.recording():
             build_s, layers_s = engine.run_step(rows)
+        launches.append(LAUNCHES["kernels"])
         builds.append(build_s)
         layers.append(layers_s)
     build_ms, layers_ms = 1e3 * statistics.median(builds), 1e3 * statistics.median(layers)
     per_step = {key: value // steps for key, value in traffic.counts.items()}
+    within = per_step.get("d2h_copies", 0) == 0
+    if not mixed:  # a decode step: the launch bound, and the time bound at batch 256
+        within &= max(launches) <= LAUNCHES_PER_LAYER_BOUND * SHAPE["num_layers"]
+        within &= batch != 256 or build_ms + layers_ms <= HOST_MS_BOUND_AT_256
     return {
         "step": f"{batch} decodes + {CHUNK}-token chunk" if mixed else f"{batch} decodes",
         "batch": batch,
@@ -305,6 +331,8 @@ def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
         "layers_ms": layers_ms,
         "host_ms": build_ms + layers_ms,
         "host_ms_per_row": (build_ms + layers_ms) / batch,
+        "launches": max(launches),
+        "within_bounds": within,
         "h2d_copies": per_step.get("h2d_copies", 0),
         "h2d_bytes": per_step.get("h2d_bytes", 0),
         "d2h_copies": per_step.get("d2h_copies", 0),

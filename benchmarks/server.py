@@ -23,10 +23,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server(model: Path, args: list[str], log_path: Path, kv_cache_gib: int = 1) -> Iterator[str]:
-    """``vllm serve model *args`` on a free loopback port; yields its base URL once ``/health`` answers."""
+def vllm_server(
+    model: Path, args: list[str], log_path: Path, kv_cache_gib: int = 1, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``vllm serve model *args`` on a free loopback port (``env``: variables set for it); yields its base URL
+    once ``/health`` answers."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), **(env or {}))
     cmd = [
         str(Path(sys.executable).parent / "vllm"),
         "serve",

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# One GPU window in one command (at most 10 minutes; this script plans for 9), every step under its own timeout:
+# One GPU window in two commands (at most 10 minutes each; this script plans for 9, then 3), every step under
+# its own timeout:
 #   0. unpack vLLM's offline bundle (when parts are present), install kvpolicy offline, write env.txt
 #   1. benchmarks/cuda_engine.py run: every policy on CUDA, compared here later with the committed CPU run
 #   2. benchmarks/gpu/throughput_sweep.py run: kvpolicy against plain vLLM with `vllm bench throughput`
 #   3. benchmarks/gpu_kernels.py --quick, if the time left allows it
+#   4. (the next command, `--steps 4`, on the still-warm machine) throughput_sweep.py run --preset offload:
+#      OmniKV's host tier at 32K tokens against plain vLLM in a pool that holds 2 such requests
 # At most 8 files land in $OUT (default ./gpu-out): env.txt, logs.tar.gz, cuda_engine_gpu_run.json,
-# throughput_sweep.json/.md/.png, gpu_kernels.json/.png. Each is rewritten as its step goes, so a command
-# cut short still returns what finished.
+# throughput_sweep.json, gpu_offload.json, gpu_kernels.json/.png (tables and plots are drawn here from the
+# JSON: throughput_sweep.py report). Each is rewritten as its step goes, so a command cut short still returns
+# what finished. Every engine runs with VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM 0.32's sampler imports FlashInfer
+# otherwise, which the bundle leaves out).
 #
 #   benchmarks/gpu/run.sh --prepare    # here, before the window: the wheel and tokenizer to carry (.cache/gpu)
 #   benchmarks/gpu/run.sh              # on the GPU machine
 #   benchmarks/gpu/run.sh --tiny       # the CPU rehearsal: tiny model, no nvidia-smi, no kernels step
 #   benchmarks/gpu/run.sh --steps "0 2"   # only these steps
 #   benchmarks/gpu/run.sh --steps "0 2" --resume   # a later window: the sweep's rows not in .cache/gpu/throughput_sweep.json
-# Budget (seconds, GPU): step 0 up to 120, step 1 up to 150, step 3 keeps 60, step 2 gets the rest of TOTAL_S=540.
+#   benchmarks/gpu/run.sh --steps 4    # right after, on the warm machine (its /tmp keeps what step 0 installed)
+# Budget (seconds, GPU): step 0 up to 120, step 1 up to 150, step 3 keeps 60, step 2 gets the rest of TOTAL_S=540;
+# step 4 alone TOTAL_S=175.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 
@@ -59,11 +66,13 @@ LOGS=$WORK/logs
 rm -rf "$WORK"
 mkdir -p "$OUT" "$LOGS"
 ENV_FILE=$OUT/env.txt
-TOTAL_S=${TOTAL_S:-$( ((TINY)) && echo 900 || echo 540)}
+if [[ $STEPS == 4 ]]; then DEFAULT_S=$( ((TINY)) && echo 600 || echo 175); else DEFAULT_S=$( ((TINY)) && echo 900 || echo 540); fi
+TOTAL_S=${TOTAL_S:-$DEFAULT_S}
 START=$(date +%s)
 DEADLINE=$((START + TOTAL_S))
 export PYTHONPATH=$PLUGIN:$SITE${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0
 
 now() { echo $(($(date +%s) - START)); }
 left() { echo $((DEADLINE - $(date +%s))); }
@@ -156,11 +165,16 @@ if wants 2; then
   step sweep $((SWEEP_S + 30)) "$PY" benchmarks/gpu/throughput_sweep.py run $( ((TINY)) && echo --tiny) \
     --out "$OUT/throughput_sweep.json" --work "$WORK/sweep" --deadline-s "$SWEEP_S" "${RESUMED[@]}"
   rc=$?
-  tr '\r' '\n' < "$LOGS/sweep.log" | grep -oE "^ *(vllm-default|vllm-triton-sync|none|adasnap|adamix) +(tight|middle|loose) .*"
-  # A sweep ended by its timeout has its JSON; the table and plot are drawn again from it.
-  if ((rc)) && [[ -f $OUT/throughput_sweep.json ]]; then
-    timeout 60 "$PY" benchmarks/gpu/throughput_sweep.py report "$OUT/throughput_sweep.json" > "$LOGS/report.log" 2>&1
-  fi
+  tr '\r' '\n' < "$LOGS/sweep.log" | grep -oE "^ *(vllm-default|vllm-triton-v1|none|adasnap|adamix) +(tight|batch8|middle|loose) .*"
+  # The table and plot stay in the work folder (in logs.tar.gz): drawn again here from the JSON.
+  mv "$OUT/throughput_sweep.md" "$OUT/throughput_sweep.png" "$WORK/" 2>/dev/null
+  ((rc)) && note "sweep: rc=$rc; its JSON keeps the rows that finished"
+fi
+
+if wants 4; then
+  step offload $(($(left) - 10)) "$PY" benchmarks/gpu/throughput_sweep.py run --preset offload $( ((TINY)) && echo --tiny) \
+    --out "$OUT/gpu_offload.json" --work "$WORK/offload" --deadline-s $(($(left) - 20))
+  mv "$OUT/gpu_offload.md" "$OUT/gpu_offload.png" "$WORK/" 2>/dev/null
 fi
 
 if wants 3 && ((!TINY)); then
@@ -174,5 +188,5 @@ fi
 
 note "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 pack
-[[ -f $OUT/throughput_sweep.md ]] && cat "$OUT/throughput_sweep.md"
+for table in "$WORK"/throughput_sweep.md "$WORK"/gpu_offload.md; do [[ -f $table ]] && cat "$table"; done
 exit 0

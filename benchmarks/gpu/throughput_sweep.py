@@ -27,14 +27,21 @@ run), to read ``LLM.get_metrics()`` before and after the timed run
 Configs, in ``CONFIGS``: plain vLLM with its defaults (on CUDA: FlashAttention
 3, the V2 model runner, the asynchronous scheduler; on CPU: the CPU's own
 defaults, which already are CPU attention, V1 and synchronous); plain vLLM
-the way kvpolicy runs it (Triton attention, V1 runner, synchronous
-scheduler); and ``--kv-policy none``, ``adasnap`` and ``adamix`` at a budget;
-last, what the asynchronous scheduler is worth (plain vLLM as kvpolicy runs it
-with it on, and ``adasnap`` without prefix caching, which keeps it on).
-Rows run in ``ORDER`` (plain vLLM against adasnap on the tight and loose
-pools first), each under its own timeout; the JSON, table and plot are
-rewritten after every row, so a sweep cut short keeps what finished, and
-``--resume`` skips the rows a results file already holds.
+the way kvpolicy runs it (Triton attention, V1 runner; the asynchronous
+scheduler, which kvpolicy keeps); and ``--kv-policy none``, ``adasnap`` and
+``adamix`` at a budget. Rows run in ``ORDER``: adasnap against plain vLLM on
+the tight pool, then both at one batch of 8 (``batch8``: the pool fits 8 and
+every config runs at most 8), where the time per output token compares their
+decode steps directly; then plain vLLM as kvpolicy runs it; each under its own
+timeout; the JSON, table and plot are rewritten after every row, so a sweep
+cut short keeps what finished, and ``--resume`` skips the rows a results file
+already holds. Every row sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` (vLLM's
+sampler imports FlashInfer otherwise, and the bundle leaves it out). Per row,
+``step_ms`` is the mean of vLLM's own inter-token latency histogram over the
+timed run (each request's time between two output tokens: a decode step, and
+the prefills it waited behind). The rows in ``DIAGNOSED`` also carry
+kvpolicy's diagnostics (``kvpolicy/vllm/diagnostics.py``): the host
+synchronisations inside its calls, and a profile of 20 decode steps.
 
 Compilation (the same for every config, so rows compare like with like):
 vLLM's default, ``-O2``: torch.compile plus CUDA graphs, as users run it
@@ -75,6 +82,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))
 
 from benchmarks.common import RESULTS_DIR, markdown_table, metric_total, provenance, write_json  # noqa: E402
+
+#: kvpolicy's diagnostics switch (kvpolicy/vllm/diagnostics.py), named here so this script imports no kvpolicy.
+DIAGNOSE_ENV = "KVPOLICY_DIAGNOSE"
 
 #: Where `prepare` puts what travels to the GPU machine (an ignored folder: carried, not committed).
 CARRY_DIR = ROOT / ".cache" / "gpu"
@@ -130,6 +140,8 @@ SHAPES = {
         "eos_token_id": 2,
     },
 }
+#: OmniKV needs a filter layer above its dense ones: the tiny model with 4 layers.
+SHAPES["tiny-llama-4"] = {**SHAPES["tiny-llama"], "num_hidden_layers": 4}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 #: pools: ``fits`` whole requests (input + output tokens) of KV, ``prompts`` requests in the run.
@@ -141,12 +153,15 @@ PRESETS = {
         "budget": 1024,
         "pools": {
             "tight": {"fits": 4, "prompts": 16},
+            # Every config runs 8 at once here: the per-step cost side by side.
+            "batch8": {"fits": 8, "prompts": 16, "max_num_seqs": 8},
             "middle": {"fits": 12, "prompts": 32},
             "loose": {"fits": 34, "prompts": 32},
         },
         "block_size": 16,
         "engine_args": ["--max-num-seqs", "32"],
-        "env": {},
+        # vLLM 0.32's sampler imports FlashInfer otherwise, which the bundle leaves out.
+        "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
         "run_timeout_s": 180,
         "min_run_s": 75,
     },
@@ -157,6 +172,7 @@ PRESETS = {
         "budget": 128,
         "pools": {
             "tight": {"fits": 4, "prompts": 12},
+            "batch8": {"fits": 8, "prompts": 16, "max_num_seqs": 8},
             "middle": {"fits": 8, "prompts": 16},
             "loose": {"fits": 20, "prompts": 16},
         },
@@ -167,12 +183,36 @@ PRESETS = {
         "min_run_s": 30,
     },
 }
+#: OmniKV's host tier at 32K tokens (issue: requests running at once against plain vLLM in a pool that holds 2,
+#: decode tokens/s, host-to-device bytes, how much of the copies the layers hide): its own presets.
+PRESETS["offload"] = {
+    **PRESETS["gpu"],
+    "input_len": 32768,
+    "output_len": 256,
+    "budget": 2048,
+    "offload_gib": 20,
+    "pools": {"pool2": {"fits": 2, "prompts": 6}},
+    "order": [("omnikv-offload", "pool2"), ("vllm-default", "pool2")],
+    "run_timeout_s": 170,
+    "min_run_s": 60,
+}
+PRESETS["offload-tiny"] = {
+    **PRESETS["tiny"],
+    "shape": "tiny-llama-4",
+    "input_len": 2048,
+    "output_len": 32,
+    "budget": 256,
+    "offload_gib": 1,
+    "omnikv_args": ["--kv-filter-layers", "1", "--kv-dense-layers", "1"],
+    "pools": {"pool2": {"fits": 2, "prompts": 6}},
+    "order": [("omnikv-offload", "pool2"), ("vllm-default", "pool2")],
+}
 #: ``cuda_args`` are left out on vLLM's CPU platform (it has one attention backend).
 CONFIGS = {
     "vllm-default": {"label": "plain vLLM, its defaults", "args": [], "cuda_args": [], "env": {}},
-    "vllm-triton-sync": {
-        "label": "plain vLLM as kvpolicy runs it",
-        "args": ["--no-async-scheduling"],
+    "vllm-triton-v1": {
+        "label": "plain vLLM as kvpolicy runs it (Triton attention, V1 model runner)",
+        "args": [],
         "cuda_args": ["--attention-backend", "TRITON_ATTN"],
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     },
@@ -189,42 +229,39 @@ CONFIGS = {
         "cuda_args": [],
         "env": {},
     },
-    # What the asynchronous scheduler is worth: kvpolicy keeps it unless a policy rewrites blocks with prefix
-    # caching on (vLLM's default, so the adasnap row above runs synchronously).
-    "vllm-triton-async": {
-        "label": "plain vLLM as kvpolicy runs it, asynchronous scheduler",
-        "args": [],
-        "cuda_args": ["--attention-backend", "TRITON_ATTN"],
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
-    },
-    "adasnap-async": {
-        "label": "--kv-policy adasnap without prefix caching, asynchronous scheduler",
-        "args": ["--kv-policy", "adasnap", "--kv-budget", "{budget}", "--no-enable-prefix-caching"],
+    "omnikv-offload": {
+        "label": "--kv-policy omnikv --kv-offload (sparse layers in a pinned host pool)",
+        "args": ["--kv-policy", "omnikv", "--kv-budget", "{budget}", "--kv-offload", "{offload_gib}", "{omnikv_args}"],
         "cuda_args": [],
         "env": {},
     },
 }
-BASELINES = {"vs_vllm_default": "vllm-default", "vs_vllm_triton_sync": "vllm-triton-sync"}
-#: Most important first: what a user compares (tight and loose), then what splits the difference.
+BASELINES = {"vs_vllm_default": "vllm-default", "vs_vllm_triton_v1": "vllm-triton-v1"}
+#: Most important first: what a user compares (the tight pool), the per-step cost at one batch, what the V1
+#: runner and Triton attention cost plain vLLM, then the loose and middle pools.
 ORDER = [
-    ("vllm-default", "tight"),
     ("adasnap", "tight"),
-    ("vllm-default", "loose"),
+    ("vllm-default", "tight"),
+    ("adasnap", "batch8"),
+    ("vllm-default", "batch8"),
+    ("vllm-triton-v1", "tight"),
+    ("vllm-triton-v1", "batch8"),
     ("adasnap", "loose"),
-    ("vllm-triton-sync", "tight"),
-    ("vllm-triton-sync", "loose"),
+    ("vllm-default", "loose"),
     ("adamix", "tight"),
-    ("adamix", "loose"),
     ("none", "tight"),
+    ("vllm-triton-v1", "loose"),
+    ("adamix", "loose"),
     ("none", "loose"),
-    ("vllm-default", "middle"),
     ("adasnap", "middle"),
-    ("vllm-triton-sync", "middle"),
+    ("vllm-default", "middle"),
+    ("vllm-triton-v1", "middle"),
     ("adamix", "middle"),
     ("none", "middle"),
-    ("vllm-triton-async", "tight"),
-    ("adasnap-async", "tight"),
 ]
+#: Rows that also record kvpolicy's diagnostics (``KVPOLICY_DIAGNOSE``: host synchronisations inside its
+#: calls, a profile of 20 decode steps), read into the row.
+DIAGNOSED = {("adasnap", "tight"), ("omnikv-offload", "pool2")}
 WARMUP = {"prompts": 2, "output_len": 16}
 SAMPLE_EVERY_S = 0.1
 THROUGHPUT_LINE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
@@ -244,10 +281,12 @@ COLUMNS = [
     *BASELINES,
     "peak_running",
     "mean_running",
+    "step_ms",
     "preemptions",
     "released_blocks_per_request",
     "kept_fraction",
     "engine_s",
+    "syncs",
     "status",
 ]
 
@@ -323,7 +362,14 @@ def bench_args(preset: dict, config: dict, pool: str, model: Path, output_json: 
         str(output_json),
         *preset["engine_args"],
     ]
-    args += [a.format(budget=budget) for a in config["args"]]
+    max_num_seqs = preset["pools"][pool].get("max_num_seqs")
+    if max_num_seqs:  # after the preset's own: the last one counts
+        args += ["--max-num-seqs", str(max_num_seqs)]
+    for arg in config["args"]:
+        if arg == "{omnikv_args}":  # the preset's OmniKV layers, for a model the default ones do not fit
+            args += preset.get("omnikv_args", [])
+        else:
+            args.append(arg.format(budget=budget, offload_gib=preset.get("offload_gib")))
     if on_cuda:
         args += config["cuda_args"]
     return args
@@ -355,11 +401,17 @@ class Probe:
         "vllm:kvpolicy_released_blocks",
         "vllm:kvpolicy_prompt_kv_tokens",
         "vllm:kvpolicy_kept_kv_tokens",
+        "vllm:kvpolicy_offloaded_requests",
+        "vllm:kvpolicy_loaded_kv_pages",
     )
+
+    #: Each request's time between two output tokens (vLLM's own histogram).
+    INTER_TOKEN = "vllm:inter_token_latency_seconds"
 
     def __init__(self, input_len: int):
         self.input_len, self.llm, self.sampler, self.before = input_len, None, None, {}
         self.warmup_s = 0.0
+        self.inter_token_before = (0, 0.0)
 
     def attach(self, llm) -> None:
         import numpy as np
@@ -380,8 +432,14 @@ class Probe:
         self.warmup_s = time.perf_counter() - start
         metrics = llm.get_metrics()
         self.before = {name: metric_total(metrics, name) for name in self.COUNTERS}
+        self.inter_token_before = self._inter_token(metrics)
         self.sampler = RunningSampler(llm)
         self.sampler.start()
+
+    def _inter_token(self, metrics) -> tuple[int, float]:
+        """(count, sum) of the inter-token latency histogram, over its label sets."""
+        found = [m for m in metrics if m.name == self.INTER_TOKEN]
+        return sum(m.count for m in found), sum(m.sum for m in found)
 
     def result(self) -> dict:
         import torch
@@ -393,7 +451,9 @@ class Probe:
         config = self.llm.llm_engine.vllm_config
         # Every request is submitted at once, so none runs only before the first step and after the last.
         samples = [n for n in self.sampler.samples if n] or [0.0]
+        count, total = (now - before for now, before in zip(self._inter_token(metrics), self.inter_token_before))
         return {
+            "step_ms": 1000 * total / count if count else None,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "warmup_s": round(self.warmup_s, 2),
             "peak_running": int(max(samples)),
@@ -470,6 +530,7 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
         "--",
         *args,
     ]
+    diagnosed = (name, pool) in DIAGNOSED
     row = {
         "config": name,
         "pool": pool,
@@ -479,6 +540,8 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
         "args": args,
         "env": {**preset["env"], **config["env"]},
     }
+    if diagnosed:
+        row["env"][DIAGNOSE_ENV] = str(work / f"{tag}.diagnose")
     start = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -504,18 +567,48 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
         counters = probe["counters"]
         row |= {
             key: probe[key]
-            for key in ("peak_running", "mean_running", "device", "warmup_s", "sample_read_ms", "pool_empty_after")
+            for key in (
+                "peak_running",
+                "mean_running",
+                "step_ms",
+                "device",
+                "warmup_s",
+                "sample_read_ms",
+                "pool_empty_after",
+            )
         }
         row |= {"preemptions": int(counters["num_preemptions"]), "counters": counters, "engine": probe["engine"]}
+        if counters["kvpolicy_loaded_kv_pages"] and counters["generation_tokens"]:
+            shape = SHAPES[preset["shape"]]
+            page_bytes = preset["block_size"] * 2 * shape["head_dim"] * DTYPE_BYTES[shape["torch_dtype"]]
+            loaded = counters["kvpolicy_loaded_kv_pages"] * page_bytes
+            row["h2d_bytes_per_output_token"] = loaded / counters["generation_tokens"]
         if CONFIGS[name]["args"][:1] == ["--kv-policy"]:
             row["released_blocks_per_request"] = counters["kvpolicy_released_blocks"] / row["prompts"]
             if counters["kvpolicy_prompt_kv_tokens"]:
                 row["kept_fraction"] = counters["kvpolicy_kept_kv_tokens"] / counters["kvpolicy_prompt_kv_tokens"]
+    if diagnosed:
+        row |= read_diagnostics(work / f"{tag}.diagnose")
     facts = (line.strip() for line in text.splitlines() if len(line) < 400 and FACT_LINE.search(line))
     row["log_facts"] = list(dict.fromkeys(facts))[:30]
     if row["status"] != "ok":
         row["error_tail"] = text[-3000:]
     return row
+
+
+def read_diagnostics(folder: Path) -> dict:
+    """A diagnosed row's host synchronisations inside kvpolicy's calls (every worker's, added up) and each
+    worker's profile summary (``kvpolicy/vllm/diagnostics.py``)."""
+    syncs = [json.loads(p.read_text()) for p in sorted(folder.glob("syncs-*.json"))]
+    profiles = [json.loads(p.read_text()) for p in sorted(folder.glob("profile-*.json"))]
+    found = {}
+    if syncs:
+        found["syncs"] = sum(s["syncs"] for s in syncs)
+        found["sync_places"] = [dict(s["by_place"]) for s in syncs]
+        found["kvpolicy_calls"] = sum(s["calls"] for s in syncs)
+    if profiles:
+        found["profile"] = profiles
+    return found
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -575,7 +668,9 @@ def run(args) -> None:
     from tqdm import tqdm
 
     deadline = time.monotonic() + args.deadline_s
-    preset_name = "tiny" if args.tiny else "gpu"
+    preset_name = (
+        f"{args.preset}-tiny" if args.tiny and args.preset != "gpu" else ("tiny" if args.tiny else args.preset)
+    )
     preset = PRESETS[preset_name]
     on_cuda = _on_cuda()
     model = model_folder(preset["shape"], args.carry)
@@ -594,7 +689,7 @@ def run(args) -> None:
     if not on_cuda:
         settings["platform_note"] = (
             "CPU rehearsal: vLLM's CPU platform has one attention backend, no V2 model runner and no asynchronous "
-            "scheduler, so `vllm-default` here is the CPU's own default and `vllm-triton-sync` runs the same engine "
+            "scheduler, so `vllm-default` here is the CPU's own default and `vllm-triton-v1` runs the same engine "
             "(its --attention-backend TRITON_ATTN is left out). Tokens/s of a random-weight 2-layer model on a "
             "shared 2-core CPU say nothing about speed."
         )
@@ -602,7 +697,8 @@ def run(args) -> None:
     if args.resume and args.out.is_file():
         payload["runs"] = [r for r in json.loads(args.out.read_text())["runs"] if r.get("status") == "ok"]
     done = {(r["config"], r["pool"]) for r in payload["runs"]}
-    order = [(c, p) for c, p in ORDER if (c, p) not in done and (not args.only or f"{c}.{p}" in args.only)]
+    rows = preset.get("order", ORDER)
+    order = [(c, p) for c, p in rows if (c, p) not in done and (not args.only or f"{c}.{p}" in args.only)]
     for name, pool in tqdm(order, desc="rows", unit="engine"):
         left = deadline - time.monotonic()
         if left < preset["min_run_s"]:
@@ -641,6 +737,9 @@ def main() -> None:
     prep.add_argument("--carry", type=Path, default=CARRY_DIR)
     sweep = sub.add_parser("run", help="the sweep")
     sweep.add_argument("--tiny", action="store_true", help="the CPU rehearsal preset")
+    sweep.add_argument(
+        "--preset", choices=("gpu", "offload"), default="gpu", help="offload: OmniKV's host tier at 32K tokens"
+    )
     sweep.add_argument("--out", type=Path, default=None, help="results JSON (.md and .png beside it)")
     sweep.add_argument("--work", type=Path, default=None, help="per-row logs and bench JSONs (default: beside --out)")
     sweep.add_argument("--carry", type=Path, default=CARRY_DIR)
@@ -657,7 +756,11 @@ def main() -> None:
     if args.command == "prepare":
         print(prepare(args.carry))
     elif args.command == "run":
-        args.out = args.out or RESULTS_DIR / ("gpu_rehearsal_cpu.json" if args.tiny else "gpu_throughput.json")
+        names = {
+            "gpu": ("gpu_throughput", "gpu_rehearsal_cpu"),
+            "offload": ("gpu_offload", "gpu_offload_rehearsal_cpu"),
+        }
+        args.out = args.out or RESULTS_DIR / f"{names[args.preset][args.tiny]}.json"
         run(args)
     elif args.command == "report":
         print(write_report(json.loads(args.json.read_text()), args.json))

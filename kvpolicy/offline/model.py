@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -158,14 +159,20 @@ def prepare_tiny(
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    staging = out_dir.with_name(out_dir.name + ".partial")
+    # A folder of this process's own: test workers may make the same model at once; the first rename wins.
+    staging = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
     LlamaForCausalLM(config).save_pretrained(staging, safe_serialization=True)
     for name in TINY_TOKENIZER_FILES:
         (staging / name).write_bytes((source / name).read_bytes())
     (staging / MANIFEST).write_text(
         json.dumps({"source": f"random weights, seed {seed}", "files": _manifest(staging)}, indent=1)
     )
-    staging.rename(out_dir)
+    try:
+        staging.rename(out_dir)
+    except OSError:  # made by another process meanwhile: the same weights, from the same seed
+        shutil.rmtree(staging)
+        if not (out_dir / MANIFEST).exists():
+            raise
     return out_dir
 
 

@@ -42,7 +42,12 @@ class KVPolicyAttention:
             elif token_idx.numel():
                 platform(layer, key[token_idx], value[token_idx], kv_cache, slot_mapping[token_idx])
 
-        step.write(layer, key, value, kv_cache, platform_write)
+        diagnostics = step.path.worker.diagnostics
+        if diagnostics is None:
+            step.write(layer, key, value, kv_cache, platform_write)
+        else:
+            with diagnostics.sync_scope("write"):
+                step.write(layer, key, value, kv_cache, platform_write)
 
     def forward(
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
@@ -56,7 +61,11 @@ class KVPolicyAttention:
 
         if step is None:
             return platform_attend()
-        step.attend(
-            layer, query, output.view(output.shape[0], self.num_heads, self.head_size), kv_cache, platform_attend
-        )
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        diagnostics = step.path.worker.diagnostics
+        if diagnostics is None:
+            step.attend(layer, query, out, kv_cache, platform_attend)
+        else:
+            with diagnostics.sync_scope("attend"):
+                step.attend(layer, query, out, kv_cache, platform_attend)
         return output

@@ -85,6 +85,8 @@ class WorkerState:
     _page_space: PageSpace | None = None
     _layer_indices: dict[str, int] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+    #: ``KVPOLICY_DIAGNOSE``'s recorder (``diagnostics.py``), None unless asked for.
+    diagnostics: Any = None
     #: Counts made where the cache is, added up there and read at the report, not in the step.
     device_counts: dict[str, torch.Tensor] = field(default_factory=dict)
     _reported_memory: dict[str, int] = field(default_factory=dict)

@@ -66,7 +66,12 @@ class KVPolicyMetadataBuilder:
             or getattr(self, "is_encoder_only_attention", False)
         ):
             return metadata
-        step = self.steps.build(common_attn_metadata)
+        diagnostics = self.steps.worker.diagnostics
+        if diagnostics is None:
+            step = self.steps.build(common_attn_metadata)
+        else:
+            with diagnostics.sync_scope("build"):
+                step = self.steps.build(common_attn_metadata)
         if step is None:
             return metadata
         return self.metadata_cls(**vars(metadata), step=step)

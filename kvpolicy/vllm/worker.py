@@ -18,6 +18,7 @@ import importlib
 
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.connector import KVPolicyConnector, own_metadata
+from kvpolicy.vllm.diagnostics import Diagnostics
 from kvpolicy.vllm.internals import (
     CPU_WORKER_MODULE,
     GPU_WORKER_MODULE,
@@ -56,6 +57,7 @@ class KVPolicyWorkerHooks:
             (stage_rank, first_layer),
         )
         self.kvpolicy.mode = make_mode(self.kvpolicy)
+        self.kvpolicy.diagnostics = Diagnostics.from_env(self.rank)
 
     def initialize_from_config(self, kv_cache_config):
         super().initialize_from_config(kv_cache_config)
@@ -76,7 +78,12 @@ class KVPolicyWorkerHooks:
         self.kvpolicy.forget(scheduler_output.preempted_req_ids)
         metadata = own_metadata(scheduler_output.kv_connector_metadata)
         self.kvpolicy.block_sharing = metadata.sharing if metadata is not None else {}
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        diagnostics = self.kvpolicy.diagnostics
+        if diagnostics is None:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        counts = scheduler_output.num_scheduled_tokens
+        with diagnostics.step(decode_only=bool(counts) and all(n == 1 for n in counts.values())):
+            return super().execute_model(scheduler_output, *args, **kwargs)
 
 
 def __getattr__(name: str):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from benchmarks.server import vllm_server
+from tests.conftest import XDIST_WORKER_ENV
 from tests.e2e.forked_runs import ForkedEngineRuns
 
 SERVED_NAME = "smollm2"
@@ -43,28 +47,35 @@ def client(server):
 @pytest.fixture(scope="session")
 def engine_run(model_path, tmp_path_factory):
     """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags, in a process forked
-    from one that has imported vLLM (``forked_runs.py``).
+    from one that has imported vLLM (``forked_runs.py``). The memo is on disk, shared by the test workers of one
+    session (pytest-xdist's workers share the base temporary folder's parent): a run another worker made or is
+    making is read, not made again.
 
     With ``fails=True`` the engine must not start; the result is its stderr.
     ``model``: another model folder than the default one.
     """
-    out_dir = tmp_path_factory.mktemp("engine-runs")
-    runs = ForkedEngineRuns()
-    done: dict[tuple, dict | str] = {}
+    base = tmp_path_factory.getbasetemp()
+    out_dir = (base.parent if os.environ.get(XDIST_WORKER_ENV) else base) / "engine-runs"
+    out_dir.mkdir(exist_ok=True)
+    runs: list[ForkedEngineRuns] = []  # started at the first run this worker makes
 
     def run(*flags: str, fails: bool = False, model=None) -> dict | str:
         model = str(model or model_path)
-        key = (model, *flags)
-        if key not in done:
-            out = out_dir / f"run{len(done)}.json"
-            code, stderr = runs.run(["--model", model, "--out", str(out), *flags], out.with_suffix(""), timeout=900)
-            if fails:
-                assert code != 0, "the engine was expected to refuse these settings"
-                done[key] = stderr
-            else:
-                assert code == 0, stderr[-4000:]
-                done[key] = json.loads(out.read_text())
-        return done[key]
+        key = hashlib.sha256(json.dumps([model, *flags]).encode()).hexdigest()[:20]
+        out, stderr_file = out_dir / f"{key}.json", out_dir / f"{key}.refused"
+        with open(out_dir / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker making this run: wait for it
+            if not (out.exists() or stderr_file.exists()):
+                if not runs:
+                    runs.append(ForkedEngineRuns())
+                argv = ["--model", model, "--out", str(out), *flags]
+                code, stderr = runs[0].run(argv, out_dir / key, timeout=900)
+                if fails:
+                    assert code != 0, "the engine was expected to refuse these settings"
+                    stderr_file.write_text(stderr)
+                else:
+                    assert code == 0, stderr[-4000:]
+        return stderr_file.read_text() if fails else json.loads(out.read_text())
 
     return run
 

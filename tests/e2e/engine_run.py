@@ -264,8 +264,8 @@ def main() -> int:
     if args.pipeline_parallel > 1:
         kwargs["pipeline_parallel_size"] = args.pipeline_parallel
     ranks = args.tensor_parallel * args.pipeline_parallel
-    if ranks > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
+    if ranks > 1:  # a core per rank, over a test worker's own one (tests/conftest.py)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(ranks)))
     if args.kv_transfer_config:
         kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     if args.tp_allocation:

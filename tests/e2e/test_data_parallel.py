@@ -29,7 +29,9 @@ COMPRESSED = "vllm:kvpolicy_compressed_requests_total"
 def dp_server(model_path, tmp_path_factory):
     args = ["--served-model-name", SERVED, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
     args += ["--kv-policy", "adasnap", "--kv-budget", "64", "--data-parallel-size", "2"]
-    with vllm_server(model_path, args, tmp_path_factory.mktemp("dp") / "vllm-serve.log") as base:
+    # Two engine cores: vLLM binds them itself (a test worker's one core, tests/conftest.py, would not split).
+    log = tmp_path_factory.mktemp("dp") / "vllm-serve.log"
+    with vllm_server(model_path, args, log, env={"VLLM_CPU_OMP_THREADS_BIND": "auto"}) as base:
         yield base
 
 

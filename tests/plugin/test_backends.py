@@ -93,9 +93,7 @@ def test_on_cuda_pages_stay_in_each_layers_cache(on_cuda):
     # The blocks a step rewrites leave the prefix cache when it is scheduled (rewrites.py).
     [("adasnap", False), ("adasnap", None), ("pod", True), ("omnikv", None)],
 )
-def test_on_cuda_every_policy_keeps_vllms_asynchronous_scheduler_prefix_caching_or_not(
-    on_cuda, policy, prefix_caching
-):
+def test_on_cuda_every_policy_keeps_vllms_asynchronous_scheduler_prefix_caching_or_not(on_cuda, policy, prefix_caching):
     engine_args = EngineArgs(model="m", enable_prefix_caching=prefix_caching)
     args._prepare_engine_args(engine_args, KVPolicyConfig(policy=policy, budget=128))
     assert engine_args.async_scheduling is None

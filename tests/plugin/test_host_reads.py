@@ -35,6 +35,19 @@ from kvpolicy.vllm.step_builder import StepBuilder
 LAYERS, KV_HEADS, GROUP, HEAD_SIZE, BLOCK = 4, 2, 2, 16, 16
 CONTEXT, BUDGET, CHUNK = 160, 64, 48
 DEVICE = torch.device("meta")
+#: The ops that launch device work.
+LAUNCHING = {
+    "write",
+    "attend",
+    "gather",
+    "scatter",
+    "move",
+    "new_token_weights",
+    "context_attention",
+    "pod_attention",
+    "copy_pages",
+    "load_pages",
+}
 READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select"}
 #: Ops that may take a host tensor beside a device one: copies to the device.
 COPIES = {"to", "copy_", "__get__"}
@@ -79,7 +92,16 @@ def _caller() -> str:
 
 
 class DeviceOps(KVOps):
-    """Ops whose results lie where the cache is; nothing is computed (the kernels' own tests do that)."""
+    """Ops whose results lie where the cache is; nothing is computed (the kernels' own tests do that). Counts
+    the calls that launch work on the device (``launches``): on a GPU each is a kernel or two."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getattribute__(self, name):
+        if name in LAUNCHING:
+            object.__setattr__(self, "launches", object.__getattribute__(self, "launches") + 1)
+        return object.__getattribute__(self, name)
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         return None
@@ -127,7 +149,7 @@ class MetaEngine:
         self.runner = SimpleNamespace(kv_caches=caches, requests={}, input_batch=SimpleNamespace(req_ids=[]))
         self.worker = WorkerState.of(config, self.runner)
         self.mode = self.worker.mode = make_mode(self.worker)
-        ops = DeviceOps()
+        self.ops = ops = DeviceOps()
         shape = StepShape(LAYERS, KV_HEADS, GROUP, BLOCK, 4 * CONTEXT, ops.plan)
         self.builder = StepBuilder(self.worker, self.mode, make_path(self.mode, ops), ops, shape)
         self.tables: dict[str, list[int]] = {}
@@ -248,3 +270,20 @@ def test_the_shim_sees_a_read_back_and_host_indices():
         with pytest.raises(RuntimeError):
             cache.sum().item()
     assert [record.split(" ")[0] for record in shim.records] == ["__getitem__", "item"]
+
+
+#: kvpolicy's launches per layer in a decode step of relocated requests (the CPU proxy of what a GPU step pays
+#: outside CUDA graphs): the new K/V's write and the attention; policies that add each new token's attention
+#: to carried scores, one more for its weights.
+LAUNCHES_PER_LAYER = {"snapkv": 2, "adasnap": 2, "streaming": 2, "h2o": 3, "d2o": 3}
+
+
+@pytest.mark.parametrize("policy", sorted(LAUNCHES_PER_LAYER))
+def test_a_decode_step_launches_a_bounded_number_of_kernels_per_layer_whatever_the_batch(policy):
+    engine = MetaEngine(KVPolicyConfig(policy=policy, budget=BUDGET, window=8, page_pool="layer"))
+    for batch in (1, 5):
+        for i in range(batch):
+            engine.relocated(f"b{batch}-{i}", BUDGET)
+        engine.ops.launches = 0
+        engine.step([(f"b{batch}-{i}", 1) for i in range(batch)])
+        assert engine.ops.launches == LAUNCHES_PER_LAYER[policy] * LAYERS

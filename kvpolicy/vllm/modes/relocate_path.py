@@ -60,7 +60,8 @@ class PerHeadPath(ModePath):
     def _attend(self, layer, layer_idx: int, query, out, kv_cache, step: RelocatingStep) -> None:
         """Stock rows in vLLM's layout, relocated rows per head, summed prompt chunks with their
         column sums; ``out`` [T, q_heads, D]."""
-        self.ops.attend(layer, query, out, kv_cache, step.stock)
+        if step.stock.token_idx.numel():  # no call for a step whose every row goes per head
+            self.ops.attend(layer, query, out, kv_cache, step.stock)
         per_head = step.per_head
         if per_head is not None:
             batch = per_head.layers[layer_idx]

@@ -150,7 +150,8 @@ class SharingPath(ModePath):
         if step.shared is None:
             platform_attend()
         else:
-            self.ops.attend(layer, query, out, kv_cache, step.stock)
+            if step.stock.token_idx.numel():  # no call for a step whose every row decodes laid out
+                self.ops.attend(layer, query, out, kv_cache, step.stock)
             self._attend_shared(layer, layer_idx, query, out, step.shared)
         if step.layouts and layer_idx == len(self._lowest) - 1:
             self._lay_out(layer, step)
