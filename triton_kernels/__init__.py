@@ -2,6 +2,7 @@
 
 from .geometry import PageGeometry, flat
 from .keydiff_scores import keydiff_scores, keydiff_scores_reference
+from .launch import STEADY_KERNELS, specialization
 from .new_token_weights import new_token_weights, new_token_weights_reference
 from .page_scores import (
     context_attention,
@@ -11,7 +12,7 @@ from .page_scores import (
     context_token_scores,
     context_token_scores_reference,
 )
-from .paged_attention import paged_attention, paged_attention_reference
+from .paged_attention import MIN_SPLIT_KEYS, paged_attention, paged_attention_reference
 from .pod_attention import pod_attention, pod_attention_reference
 from .relocate import (
     gather_tokens,
@@ -27,7 +28,9 @@ from .window_scores import window_attention_sums, window_scores, window_scores_r
 from .write_slots import write_slots, write_slots_reference
 
 __all__ = [
+    "MIN_SPLIT_KEYS",
     "PageGeometry",
+    "STEADY_KERNELS",
     "context_attention",
     "context_attention_reference",
     "context_page_scores",
@@ -51,6 +54,7 @@ __all__ = [
     "pod_attention_reference",
     "scatter_tokens",
     "scatter_tokens_reference",
+    "specialization",
     "window_attention_sums",
     "window_scores",
     "window_scores_reference",

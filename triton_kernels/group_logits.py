@@ -17,11 +17,12 @@ import triton.language as tl
 from .addressing import dot_in_cache_dtype, slot_offsets, table_slots, tile_mask
 from .attention_math import key_logits, load_queries
 from .geometry import PageGeometry
+from .launch import steady_jit
 
 BLOCK_N = 128
 
 
-@triton.jit
+@steady_jit
 def _group_logits_kernel(
     out_ptr,
     query_ptr,

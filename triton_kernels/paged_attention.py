@@ -23,6 +23,7 @@ import triton.language as tl
 from .addressing import dot_in_cache_dtype, load_kv_rows, row_pointers, table_slots, tile_mask
 from .attention_math import attend_step, key_logits, load_queries
 from .geometry import PageGeometry, flat
+from .launch import steady_jit
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ CHUNK_TILING = Tiling(block_n=32, rows=128, num_warps=4, num_stages=3)
 MIN_SPLIT_KEYS, TARGET_PROGRAMS = 256, 1024
 
 
-@triton.jit
+@steady_jit
 def _paged_attention_kernel(
     query_ptr,
     out_ptr,
@@ -64,6 +65,7 @@ def _paged_attention_kernel(
     qk_scale,
     group,
     rows_total,
+    splits,
     block_size,
     heads_per_block,
     block_stride,
@@ -79,7 +81,7 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     LOW_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -106,9 +108,9 @@ def _paged_attention_kernel(
         query_ptr, cache_ptr, token, q_head, row_ok, dims, dim_ok, q_stride_t, q_stride_h, q_stride_d, LOW_PRECISION
     )
 
-    # Keys this tile needs (its last row's), cut into SPLITS ranges of whole key blocks.
+    # Keys this tile needs (its last row's), cut into ``splits`` ranges of whole key blocks.
     visible = seq_len - count + tl.minimum(first_q + BLOCK_Q, count)
-    per_split = tl.cdiv(tl.cdiv(visible, BLOCK_N), SPLITS) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(visible, BLOCK_N), splits) * BLOCK_N
     start = split * per_split
     stop = tl.minimum(start + per_split, visible)
 
@@ -142,7 +144,7 @@ def _paged_attention_kernel(
         logits = tl.where(live, logits, float("-inf"))
         best, total, acc = attend_step(best, total, acc, logits, v, EXP2=True, LOW_PRECISION=LOW_PRECISION)
 
-    if SPLITS == 1:
+    if not SPLIT:
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             row_pointers(out_ptr, token, q_head, dims, o_stride_t, o_stride_h, o_stride_d),
@@ -157,7 +159,7 @@ def _paged_attention_kernel(
         tl.store(part_stats_ptr + 2 * part + 1, total, mask=row_ok)
 
 
-@triton.jit
+@steady_jit
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,
@@ -170,11 +172,11 @@ def _merge_splits_kernel(
     group,
     head_size,
     rows_total,
+    splits,
     GROUP_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):
-    """One virtual token: merge its SPLITS partial softmax states (max, sum, weighted values) into the output."""
+    """One virtual token: merge its ``splits`` partial softmax states (max, sum, weighted values) into the output."""
     vrow = tl.program_id(0)
     heads = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_PAD)
@@ -182,7 +184,7 @@ def _merge_splits_kernel(
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_PAD), tl.float32)
-    for split in range(SPLITS):
+    for split in range(splits):
         part = (split * rows_total + vrow) * GROUP_PAD + heads
         # A split past the sequence's keys ran no step: its (-inf, 0) state adds nothing.
         part_best = tl.load(part_stats_ptr + 2 * part, mask=head_ok, other=float("-inf"))
@@ -266,13 +268,14 @@ def paged_attention(
         scale * math.log2(math.e),
         group,
         rows,
+        splits,
         *geom.addressing(),
         HEAD_SIZE=geom.head_size,
         BLOCK_Q=block_q,
         GROUP_PAD=group_pad,
         HEAD_PAD=head_pad,
         BLOCK_N=tiling.block_n,
-        SPLITS=splits,
+        SPLIT=splits > 1,
         LOW_PRECISION=low_precision,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
@@ -288,9 +291,9 @@ def paged_attention(
             group,
             geom.head_size,
             rows,
+            splits,
             GROUP_PAD=group_pad,
             HEAD_PAD=head_pad,
-            SPLITS=splits,
         )
 
 

@@ -28,11 +28,12 @@ import triton.language as tl
 from .addressing import dot_in_cache_dtype, kv_offsets, load_kv_rows, row_pointers, table_slots, tile_mask
 from .attention_math import attend_step, key_logits, load_queries, softmax_step, weighted_values
 from .geometry import PageGeometry, flat
+from .launch import steady_jit
 
 BLOCK_N = 64
 
 
-@triton.jit
+@steady_jit
 def _pod_attention_kernel(
     query_ptr,
     out_ptr,

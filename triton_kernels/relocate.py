@@ -13,11 +13,12 @@ import triton.language as tl
 
 from .addressing import kv_offsets
 from .geometry import PageGeometry, flat
+from .launch import steady_jit
 
 ROWS = 16
 
 
-@triton.jit
+@steady_jit
 def _copy_tokens_kernel(
     cache_ptr,
     k_buf_ptr,

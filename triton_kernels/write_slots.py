@@ -8,11 +8,12 @@ import triton.language as tl
 
 from .addressing import kv_offsets, row_pointers
 from .geometry import PageGeometry, flat
+from .launch import steady_jit
 
 ROWS = 16
 
 
-@triton.jit
+@steady_jit
 def _write_slots_kernel(
     cache_ptr,
     key_ptr,

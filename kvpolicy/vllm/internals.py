@@ -175,6 +175,12 @@ def attention_metadata_builders(runner):
             yield from group.metadata_builders
 
 
+def attention_layer(vllm_config, layer_name: str):
+    """vLLM's attention layer of that name (``CompilationConfig.static_forward_context``); its ``kv_cache`` is
+    the layer's cache once the runner bound it (``bind_kv_cache``)."""
+    return vllm_config.compilation_config.static_forward_context[layer_name]
+
+
 def worker_connectors():
     """This worker's KV connectors (made by ``ensure_kv_transfer_initialized`` in the worker's
     ``initialize_from_config``): the configured one, and each child of vLLM's ``MultiConnector``
@@ -237,6 +243,7 @@ __all__ = [
     "AsyncEngineArgs",
     "AttentionBackendEnum",
     "AttentionCGSupport",
+    "attention_layer",
     "attention_metadata_builders",
     "CPU_ATTN_MODULE",
     "CPU_RESERVED_CORES_ENV",

@@ -12,6 +12,7 @@ row takes the platform's path.
 
 from __future__ import annotations
 
+from kvpolicy.vllm.internals import attention_layer
 from kvpolicy.vllm.modes import ModeState, make_path
 from kvpolicy.vllm.modes.base import HostBatch, StepShape
 from kvpolicy.vllm.ops import KVOps
@@ -57,6 +58,12 @@ class KVPolicyMetadataBuilder:
         self.steps = (
             None if mode is None else StepBuilder(worker, mode, make_path(mode, self.ops), self.ops, self.step_shape())
         )
+
+    def warm_up(self) -> None:
+        """Compile the ops' kernels before the first request, over the first layer's cache."""
+        if self.steps is not None:
+            layer = attention_layer(self.vllm_config, self.layer_names[0])
+            self.ops.warm_up(layer, layer.kv_cache)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)

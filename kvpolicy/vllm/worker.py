@@ -71,6 +71,9 @@ class KVPolicyWorkerHooks:
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
         ensure_intermediate_tensors(self.model_runner)
+        for builder in attention_metadata_builders(self.model_runner):
+            if isinstance(builder, KVPolicyMetadataBuilder):
+                builder.warm_up()
         return times
 
     def execute_model(self, scheduler_output, *args, **kwargs):

@@ -157,6 +157,23 @@ def generate_aborting(llm, token_lists, params, steps: int) -> list:
     return [finished[key] for key in sorted(finished, key=int)]
 
 
+def record_kernel_launches() -> dict:
+    """What Triton compiles for each launch of kvpolicy's kernels (``kvpolicy_triton.specialization``), by
+    phase: ``start`` until the engine is built, ``serve`` after (the caller switches ``phase``)."""
+    import kvpolicy_triton
+
+    launches = {"phase": "start", "start": set(), "serve": set()}
+    for kernel in kvpolicy_triton.STEADY_KERNELS:
+
+        def recording(*args, _kernel=kernel, _run=kernel.run, **kwargs):
+            launch_kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+            launches[launches["phase"]].add(kvpolicy_triton.specialization(_kernel, args, launch_kwargs))
+            return _run(*args, **kwargs)
+
+        kernel.run = recording
+    return launches
+
+
 def keep_async_scheduling_on_cpu() -> None:
     """vLLM's CPU platform turns its asynchronous scheduler off (``CpuPlatform.check_and_update_config``);
     its engine core, scheduler and model runner run it all the same, so the order it schedules steps in
@@ -284,6 +301,7 @@ def main() -> int:
     for name in ("sink_tokens", "recent_tokens", "pod_groups", "pod_tau", "pod_delta", "page_pool"):
         if getattr(args, name) is not None:
             kwargs[f"kv_{name}"] = getattr(args, name)
+    kernel_launches = record_kernel_launches() if args.ops == "triton" else None
     llm = LLM(
         args.model,
         dtype="float32",
@@ -297,6 +315,8 @@ def main() -> int:
         disable_log_stats=False,
         **kwargs,
     )
+    if kernel_launches is not None:
+        kernel_launches["phase"] = "serve"  # the engine is built: vLLM's warm-up and kvpolicy's are done
     if args.capture:
         from kvpolicy.policies import Mode
 
@@ -341,6 +361,9 @@ def main() -> int:
     )
     summary = {
         "ops": None if args.stock else llm.collective_rpc(_ops_name)[0],
+        "kernel_variants": None
+        if kernel_launches is None
+        else {phase: sorted(map(repr, kernel_launches[phase])) for phase in ("start", "serve")},
         "counters": counters,
         "kv_cache_usage_end": usage[0] if usage else None,
         "preemptions": preemptions,

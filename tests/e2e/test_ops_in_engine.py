@@ -4,6 +4,8 @@
   CPU cache (``KVPOLICY_OPS=triton``, ``TRITON_INTERPRET=1``), so every per-head
   write, attention call, token move and score goes through ``triton_kernels/``;
   stock rows too, in steps that mix them with per-head rows.
+* The Triton kernels' warm-up: every variant the engine launches while it
+  serves was compiled before (``kvpolicy_triton.launch``).
 * The CPU ops' torch paths, which kvpolicy takes where vLLM's CPU ISA packs KV
   pages non-affinely (AMX, for bfloat16 on recent Xeons) and its C++ ops cannot
   address them: forced here on this machine's affine pages (``--torch-paths``),
@@ -68,3 +70,14 @@ def test_other_ops_in_the_engine_agree_with_the_cpu_ops(engine_run, tiny_model, 
             assert worst <= LOGPROB_TOLERANCE, f"request {i}, step {step}: logprobs differ by {worst}"
     assert other["counters"] == cpu["counters"], "the same requests were relocated, compressed and released"
     assert other["kv_cache_usage_end"] == 0.0, "every block is free again after the run"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_warm_up_compiles_every_kernel_variant_the_engine_launches(engine_run, tiny_model, pod_groups, policy):
+    """What Triton would compile for each launch of kvpolicy's kernels while serving was compiled before (by
+    the worker's warm-up, ``TritonOps.warm_up``): no variant compiles in the middle of a run."""
+    args = (*POLICIES[policy], *(("--pod-groups", pod_groups) if policy == "pod" else ()), *RUN)
+    variants = engine_run(*args, *OTHER_OPS["triton"][0], model=tiny_model)["kernel_variants"]
+    assert variants["start"], "the warm-up launched the kernels"
+    assert set(variants["serve"]) <= set(variants["start"]), sorted(set(variants["serve"]) - set(variants["start"]))

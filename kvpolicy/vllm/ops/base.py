@@ -44,6 +44,10 @@ class KVOps(ABC):
         cache is now, in one copy, rather than layer by layer (``ops/staging.py``); ``tables``: the mode's
         device copy of its page tables, brought up to date with the step's."""
 
+    def warm_up(self, layer, cache) -> None:  # noqa: B027 (a hook: ops that compile nothing have nothing to warm)
+        """Once, before the first request: compile every variant of every kernel the ops can launch, over a
+        few tokens of ``layer``'s ``cache``, so that none compiles in the middle of a run."""
+
     def on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A host tensor of the step where the cache is (the staged copy's view, when the ops staged one)."""
         return tensor.to(device, non_blocking=True)

@@ -20,6 +20,7 @@ from kvpolicy.vllm.ops.base import KVOps
 from kvpolicy.vllm.ops.staging import StagedStep, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
+    MIN_SPLIT_KEYS,
     PageGeometry,
     context_attention,
     gather_tokens,
@@ -73,7 +74,7 @@ def plan_virtual_sequences(
         head_of=torch.from_numpy(head),
         query_start_loc=virtual_qsl,
         seq_lens=seq_lens.repeat_interleave(kv_heads),
-        page_table=table.reshape(rows * kv_heads, -1),
+        page_table=table.reshape(rows * kv_heads, -1).to(torch.int32),  # one dtype with the per-head tables
     )
 
 
@@ -197,6 +198,42 @@ class TritonOps(KVOps):
     def _staged_call(self, batch: AttentionBatch, rows: HeadRows | None):
         """(device indices, longest sequence) of one of the staged step's per-head calls, or None."""
         return None if self.layer_calls is None else self.layer_calls.attend(batch, rows)
+
+    def warm_up(self, layer, cache):
+        """Every variant the engine launches (``kvpolicy_triton.launch``): paged attention in its decode
+        tiling with and without splits over the keys, and in its chunk tiling; the cache write; token
+        gathers, scatters and moves; a new token's weights; a filter layer's attention and page scores;
+        PoD's attention. Over page 0's first tokens, before any request holds it."""
+        impl, device = layer.impl, cache.device
+        heads, size, scale = impl.num_kv_heads, impl.head_size, impl.scale
+        geometry = cache_geometry(layer, cache)
+        query = torch.zeros(2, heads * impl.num_queries_per_kv, size, dtype=cache.dtype, device=device)
+        out = torch.empty_like(query)
+        key = torch.zeros(2, heads, size, dtype=cache.dtype, device=device)
+        token_of, head_of = (torch.zeros(n, dtype=torch.int64, device=device) for n in (2, 2))
+        slots = torch.arange(2, dtype=torch.int64, device=device)
+        write_slots(cache, geometry, key, key, token_of, head_of, slots)
+        move_tokens(cache, geometry, slots, slots.flip(0))
+        gather_values(cache, geometry, slots)
+        long = 2 * MIN_SPLIT_KEYS  # a decode row this long is split over the keys
+        table = torch.zeros(1, -(-long // geometry.block_size), dtype=torch.int32, device=device)
+        for query_len, seq_len in ((1, 1), (1, long), (2, 2)):
+            qsl = torch.tensor([0, query_len], dtype=torch.int32, device=device)
+            lengths = torch.tensor([seq_len], dtype=torch.int32, device=device)
+            paged_attention(
+                query, out, cache, geometry, token_of[:query_len], head_of[:query_len], qsl, lengths, table, scale,
+                heads, query_len, seq_len,
+            )  # fmt: skip
+        new_token_weights(query, cache, geometry, token_of[:1], head_of[:1], table, lengths, scale, heads)
+        page_ids = torch.zeros(1, heads, 1, dtype=torch.int64, device=device)
+        context_attention(query, out, cache, geometry, token_of[:1], page_ids, lengths.long(), scale)
+        one = torch.zeros(1, dtype=torch.int32, device=device)
+        none = torch.full((1,), -1, dtype=torch.int64, device=device)  # neither reads nor writes distant logits
+        logits = torch.zeros(1, impl.num_queries_per_kv, 1, dtype=torch.float32, device=device)
+        pod_attention(
+            query, out, cache, geometry, token_of[:1], head_of[:1], table, lengths, table, one, one, none, none,
+            logits, scale, heads,
+        )  # fmt: skip
 
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         if kv_heads == 1 and self._heads_plan[0] is query_start_loc:
