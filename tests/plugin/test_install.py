@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
+#: A vLLM command's start (imports and argument parsing): a test worker runs on one core, beside the other's
+#: engines (tests/conftest.py).
+CLI_TIMEOUT_S = 300
 
 
 @pytest.mark.parametrize("name", ["torchvision", "torchaudio", "torchcodec"])
@@ -30,13 +33,15 @@ def test_vllm_metadata_resolves_to_the_cpu_build():
 
 
 def test_vllm_cli_runs():
-    out = subprocess.run([BIN / "vllm", "--version"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([BIN / "vllm", "--version"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("+cpu")
 
 
 def test_serve_help_lists_the_kv_options():
-    out = subprocess.run([BIN / "vllm", "serve", "--help=KVPolicy"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [BIN / "vllm", "serve", "--help=KVPolicy"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in (
         "--kv-policy",
@@ -79,7 +84,7 @@ def test_bad_options_fail_before_the_model_loads(model_path, args, message):
         [BIN / "vllm", "serve", str(model_path), "--dtype", "float32", *args],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=CLI_TIMEOUT_S,
         env=env,
     )
     assert out.returncode != 0
