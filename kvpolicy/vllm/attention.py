@@ -11,6 +11,7 @@ step is vLLM's alone.
 
 from __future__ import annotations
 
+from kvpolicy.vllm.diagnostics import sync_scope
 from kvpolicy.vllm.internals import get_forward_context
 from kvpolicy.vllm.step import Step
 
@@ -42,12 +43,8 @@ class KVPolicyAttention:
             elif token_idx.numel():
                 platform(layer, key[token_idx], value[token_idx], kv_cache, slot_mapping[token_idx])
 
-        diagnostics = step.path.worker.diagnostics
-        if diagnostics is None:
+        with sync_scope(step.path.worker.diagnostics, "write"):
             step.write(layer, key, value, kv_cache, platform_write)
-        else:
-            with diagnostics.sync_scope("write"):
-                step.write(layer, key, value, kv_cache, platform_write)
 
     def forward(
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
@@ -62,10 +59,6 @@ class KVPolicyAttention:
         if step is None:
             return platform_attend()
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        diagnostics = step.path.worker.diagnostics
-        if diagnostics is None:
+        with sync_scope(step.path.worker.diagnostics, "attend"):
             step.attend(layer, query, out, kv_cache, platform_attend)
-        else:
-            with diagnostics.sync_scope("attend"):
-                step.attend(layer, query, out, kv_cache, platform_attend)
         return output

@@ -19,7 +19,7 @@ import json
 import os
 import warnings
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +83,7 @@ class Diagnostics:
             self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.__enter__()
         try:
-            with torch.profiler.record_function("kvpolicy_step") if profiling else _nothing():
+            with torch.profiler.record_function("kvpolicy_step") if profiling else nullcontext():
                 yield
         finally:
             if profiling:
@@ -134,6 +134,11 @@ class Diagnostics:
         (self.folder / f"profile-{self.rank}.json").write_text(json.dumps(summary, indent=1))
 
 
+def sync_scope(diagnostics: Diagnostics | None, what: str):
+    """``diagnostics.sync_scope(what)``, or nothing to record when no diagnostics are asked for."""
+    return nullcontext() if diagnostics is None else diagnostics.sync_scope(what)
+
+
 def _union(ranges) -> list:
     """Intervals (``start``, ``end``) merged where they overlap, in order."""
     merged = []
@@ -149,8 +154,3 @@ def _union(ranges) -> list:
 class _Range:
     start: int
     end: int
-
-
-@contextmanager
-def _nothing():
-    yield

@@ -12,6 +12,7 @@ row takes the platform's path.
 
 from __future__ import annotations
 
+from kvpolicy.vllm.diagnostics import sync_scope
 from kvpolicy.vllm.internals import attention_layer
 from kvpolicy.vllm.modes import ModeState, make_path
 from kvpolicy.vllm.modes.base import HostBatch, StepShape
@@ -73,12 +74,8 @@ class KVPolicyMetadataBuilder:
             or getattr(self, "is_encoder_only_attention", False)
         ):
             return metadata
-        diagnostics = self.steps.worker.diagnostics
-        if diagnostics is None:
+        with sync_scope(self.steps.worker.diagnostics, "build"):
             step = self.steps.build(common_attn_metadata)
-        else:
-            with diagnostics.sync_scope("build"):
-                step = self.steps.build(common_attn_metadata)
         if step is None:
             return metadata
         return self.metadata_cls(**vars(metadata), step=step)
