@@ -2,6 +2,7 @@
 
     python benchmarks/pod_delta.py                       # δ 0.5-0.7 at 2K/4K/8K, passkey, niah, multikey
     python benchmarks/pod_delta.py --deltas 0.5 0.6 --lengths 2000
+    python benchmarks/pod_delta.py --first-seed 100 --seeds 2 --lengths 2000 4000   # the tuning prompts
 
 A higher δ groups fewer layers (Algorithm 1 of PoD, arXiv:2412.02252), so fewer (layer, KV head)
 pairs share the distant tokens' logits: less K+V saved, answers nearer the full cache's. Each δ's
@@ -10,30 +11,39 @@ grouping is made from the similarity the shipped calibration measured
 it again; ``--kv-pod-delta X`` regroups it at serve time), saved under ``results/pod_delta_groups/`` and
 served with ``--kv-pod-groups``. The answers
 come from the quality harness (``benchmarks/quality.py``, its prompts, its cell cache, its JSON beside
-this one); the K+V saved at each length is ``PoD.saved_fraction`` of the grouping. Writes
-``results/pod_delta.json``, a table and a plot of accuracy against K+V saved.
+this one); the K+V saved at each length is ``PoD.saved_fraction`` of the grouping, and the blocks a
+request frees at ``--block-lengths`` are what the engine's layout holds (``SharedPages.blocks_needed``,
+vLLM's CPU block of 128 tokens) against stock's. A δ is chosen on the tuning prompts (``--first-seed
+100``) and reported on the others. Writes ``results/pod_delta.json``, a table and a plot of accuracy
+against K+V saved.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
+from kvpolicy.paging.shared import SharedPages  # noqa: E402
 from kvpolicy.policies.pod import DEFAULT_GROUPS, LayerGroups, PoD  # noqa: E402
 
 DEFAULTS = {
     "deltas": [0.5, 0.55, 0.6, 0.65, 0.7],
     "lengths": [2000, 4000, 8000],
     "tasks": ["passkey", "niah", "multikey"],
+    "block_lengths": [3000, 7000],
 }
-COLUMNS = ["delta", "context", "kv_saved", "accuracy", "full_cache", "n"]
+#: vLLM's CPU default block size, in tokens.
+BLOCK_SIZE = 128
 
 
 def grouping_file(groups: LayerGroups, delta: float, folder: Path) -> Path:
@@ -42,6 +52,14 @@ def grouping_file(groups: LayerGroups, delta: float, folder: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"delta": delta, "blocks": groups.blocks}))
     return Path(os.path.relpath(path))
+
+
+def blocks_freed(pod: PoD, groups: LayerGroups, length: int, block_size: int = BLOCK_SIZE) -> int:
+    """Blocks one request of ``length`` tokens hands back to vLLM once PoD lays it out: stock's count less
+    the layout's (its packed pages and the spare block)."""
+    keeps = np.array(groups.keeps_distant_keys())
+    layout = SharedPages([0] * groups.num_layers, groups.num_heads, block_size, [], keeps)
+    return math.ceil(length / block_size) - layout.blocks_needed(length, pod.distant_range(length))
 
 
 def accuracy_by_length(runs: list[dict], policy: str, cells: set) -> dict[int, tuple[float, int]]:
@@ -62,18 +80,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for length in sorted({row["context"] for row in rows}):
-        points = [row for row in rows if row["context"] == length]
-        (line,) = ax.plot([p["kv_saved"] for p in points], [p["accuracy"] for p in points], "o-", label=f"{length}")
-        ax.axhline(points[0]["full_cache"], color=line.get_color(), linestyle=":", linewidth=1)
-        for p in points:
-            ax.annotate(
-                f"δ {p['delta']:g}",
-                (p["kv_saved"], p["accuracy"]),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
+    for length in sorted({int(key.split("_")[1]) for key in rows[0] if key.startswith("accuracy_")}):
+        saved, accuracy = [row[f"kv_saved_{length}"] for row in rows], [row[f"accuracy_{length}"] for row in rows]
+        (line,) = ax.plot(saved, accuracy, "o-", label=f"{length}")
+        ax.axhline(rows[0][f"full_cache_{length}"], color=line.get_color(), linestyle=":", linewidth=1)
+        for row, x, y in zip(rows, saved, accuracy):
+            ax.annotate(f"δ {row['delta']:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("K+V saved (fraction of the full cache)")
     ax.set_ylabel("accuracy (passkey, niah, multikey)")
     ax.set_title("PoD: grouping threshold δ, untrained default model (dotted: full cache)")
@@ -88,6 +100,17 @@ def main() -> int:
     parser.add_argument("--lengths", nargs="+", type=int, default=DEFAULTS["lengths"])
     parser.add_argument("--tasks", nargs="+", default=DEFAULTS["tasks"])
     parser.add_argument("--seeds", type=int, default=1, help="prompts per task, length and depth (default 1)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first prompt seed (100: the tuning prompts)")
+    parser.add_argument(
+        "--jobs", type=int, default=len(os.sched_getaffinity(0)), help="engines at once (the harness's --jobs)"
+    )
+    parser.add_argument(
+        "--block-lengths",
+        nargs="+",
+        type=int,
+        default=DEFAULTS["block_lengths"],
+        help="prompt lengths at which to count the blocks a request frees",
+    )
     parser.add_argument(
         "--similarity", type=Path, default=DEFAULT_GROUPS, help="a calibration JSON with its similarity"
     )
@@ -109,6 +132,10 @@ def main() -> int:
         *map(str, args.lengths),
         "--seeds",
         str(args.seeds),
+        "--first-seed",
+        str(args.first_seed),
+        "--jobs",
+        str(args.jobs),
         "--policies",
         *(f"{policy}@full" for policy in policies.values()),
         "--out",
@@ -122,20 +149,20 @@ def main() -> int:
     pod = PoD()
     rows = []
     for delta, groups in groupings.items():
+        row = {"delta": delta}
         for length, (accuracy, n) in sorted(accuracy_by_length(runs, policies[delta], solved).items()):
-            saved = pod.saved_fraction(groups, length)
-            rows.append(
-                {
-                    "delta": delta,
-                    "context": length,
-                    "kv_saved": saved,
-                    "accuracy": accuracy,
-                    "full_cache": full[length][0],
-                    "n": n,
-                }
-            )
+            row |= {
+                f"accuracy_{length}": accuracy,
+                f"full_cache_{length}": full[length][0],
+                f"kv_saved_{length}": pod.saved_fraction(groups, length),
+                f"n_{length}": n,
+            }
+        rows.append(
+            row | {f"blocks_freed_{length}": blocks_freed(pod, groups, length) for length in args.block_lengths}
+        )
+    columns = ["delta", *(key for key in rows[0] if key != "delta")]
     settings = {**vars(args), "harness": str(harness), "similarity": str(args.similarity), "out": str(args.out)}
-    write_results(args.out, settings, rows, COLUMNS, plot)
+    write_results(args.out, settings, rows, columns, plot)
     return 0
 
 

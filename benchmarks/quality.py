@@ -1,13 +1,14 @@
 """Quality harness: long-context tasks through the real engine, every policy x budget, with plots.
 
     python benchmarks/quality.py --quick   # passkey, niah, multikey at 1K, 6 prompts each; 4 policies at ratio 0.75
-    python benchmarks/quality.py           # all five tasks at 1K/2K/4K/8K, 6 prompts per cell, all policies and ratios
+    python benchmarks/quality.py           # all six tasks at 1K/2K/4K/8K, 6 prompts per cell, all policies and ratios
 
 The tasks (``benchmarks/tasks.py``) are generated here from a seed: the same
 command gives the same prompts. The full cache (``--kv-policy none``) answers
 every prompt first; a task x context it answers in fewer than ``RELIABLE`` of
-its prompts tells nothing about compression, so the policies are run only on
-the task x contexts the full cache solves (its whole table is in the JSON).
+its prompts (``TASK_RELIABLE`` for a task the model answers less often) tells
+nothing about compression, so the policies are run only on the task x contexts
+the full cache solves (its whole table is in the JSON).
 
 A budget is a token count (``256``: tokens kept per KV head, or per sparse
 layer for omnikv) or a compression ratio below 1, the unit kvpress and the
@@ -79,6 +80,9 @@ QUICK = {
 DEV_SEED = 100
 #: The full cache must answer at least this share of a task x context's prompts for it to count.
 RELIABLE = 0.8
+#: Tasks the default model answers less often, counted from a lower share: on ``frequent`` (the heavy-hitter
+#: task) the full cache names the right person in 60-80% of prompts, and the policies still part from it.
+TASK_RELIABLE = {"frequent": 0.6}
 PREFILL_CHUNK = 512
 MAX_MODEL_LEN = 8192
 COLUMNS = ["policy", "budget", "ratio", "task", "context", "accuracy", "n"]
@@ -181,7 +185,11 @@ def summary_rows(rows: list[dict], reliable: set) -> list[dict]:
 
 
 def reliable_cells(rows: list[dict]) -> set:
-    return {(r["task"], r["context"]) for r in rows if r["policy"] == "none" and r["accuracy"] >= RELIABLE}
+    return {
+        (r["task"], r["context"])
+        for r in rows
+        if r["policy"] == "none" and r["accuracy"] >= TASK_RELIABLE.get(r["task"], RELIABLE)
+    }
 
 
 def compared_cells(rows: list[dict]) -> set:
@@ -201,7 +209,7 @@ def tables(rows: list[dict]) -> str:
     solved = [t for t in tasks if any(task == t for task, _ in reliable)]
     return (
         f"Full cache (`--kv-policy none`): accuracy per task and context (tokens); "
-        f"cells at >= {RELIABLE} count below.\n\n"
+        f"cells at >= {RELIABLE} ({', '.join(f'{t} {v}' for t, v in TASK_RELIABLE.items())}) count below.\n\n"
         + markdown_table(baseline, ["task", *map(str, contexts)])
         + "\n\nEach policy and budget: accuracy per task over the contexts the full cache solves and the policies ran at.\n\n"
         + markdown_table(summary, ["policy", "budget", "ratio", *solved, "mean"])
@@ -455,6 +463,7 @@ def main() -> int:
         progress.refresh()
         rows += answer_in_parallel(work, grid if solved else [], solved, progress, args.jobs, args.model)
     settings["reliable"] = RELIABLE
+    settings["task_reliable"] = TASK_RELIABLE
     write_results(out, settings, rows, COLUMNS, plot, table=tables)
     return 0
 

@@ -12,6 +12,11 @@ the fact asked for at ``depth`` (0 = first, 1 = last) of the context:
 - ``kv``: a dictionary of word-pair keys and five-digit values filling the context; one value asked for.
 - ``twostage``: OmniKV's 2StageRetr (paper §A): a dictionary of numbers to colors and an addition
   whose sum is the key to look up; the model must add, then find that key's color.
+- ``frequent``: essay prose in which one person is named in one sentence per ``FREQUENT_EVERY`` tokens,
+  spread over the first three quarters, and four others once each anywhere; asked who appears most
+  often. No single sentence answers it: the answer is the name the whole context repeats, so the
+  tokens that matter are many and spread (the heavy hitters H2O and D2O keep), and none is in the
+  last quarter, which is all a recent window keeps at ratio 0.75. ``depth`` only seeds the draw.
 
 What mattered for the default model (docs/benchmarks.md has the measurements):
 the passkey header and question. "There is a pass key hidden ... remember it"
@@ -19,9 +24,12 @@ made the model echo the header (full cache 0.6 at 1K, 0.2 at 2K); the classic
 "important info ... I will quiz you" header with the question appended to the
 filler answers every prompt at 1K and 2K. Three distractor needles were more
 than the model tells apart at 2K; one is the two-key task the literature reports.
+For ``frequent``, the answer stem ending in "is named": ending in "is", the model
+often answered "not specified" instead of a name. Asked for the most frequent of
+a plain list of words, it named the right one in none of 10 prompts at 1K.
 
-A hit is the answer in the first ``ANSWER_TOKENS`` generated tokens; for ``twostage``, the first
-color the model names must be the right one (so naming every color does not score).
+A hit is the answer in the first ``ANSWER_TOKENS`` generated tokens; for ``twostage`` and ``frequent``,
+the first color or person the model names must be the right one (so naming every one does not score).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from functools import cached_property
 
 from kvpolicy.offline.sample_text import haystack_text
 
-TASKS = ("passkey", "niah", "multikey", "kv", "twostage")
+TASKS = ("passkey", "niah", "multikey", "kv", "twostage", "frequent")
 ANSWER_TOKENS = 16
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 WORDS = (
@@ -91,6 +99,49 @@ COLORS = (
     "beige",
 )
 DISTRACTORS = 1
+#: Names none of the haystack's essays uses, so the only people in a ``frequent`` prompt are the ones put there.
+NAMES = (
+    "Alice",
+    "Bob",
+    "Carol",
+    "Emma",
+    "Irene",
+    "Jack",
+    "Laura",
+    "Nora",
+    "Oscar",
+    "Paula",
+    "Quinn",
+    "Rosa",
+    "Tina",
+    "Victor",
+    "Olivia",
+    "Liam",
+    "Noah",
+    "Mia",
+    "Lucas",
+    "Ava",
+)
+ACTIVITIES = (
+    "went for a walk",
+    "read a book",
+    "cooked dinner",
+    "called a friend",
+    "wrote a letter",
+    "planted a tree",
+    "painted the fence",
+    "fixed the bike",
+    "visited the market",
+    "sang a song",
+    "fed the cat",
+    "cleaned the house",
+)
+#: ``frequent``: the main person is named once per this many tokens of the prompt (20 times at 1K).
+FREQUENT_EVERY = 50
+#: ``frequent``: the share of the prompt, at its end, where the main person is never named.
+FREQUENT_TAIL = 0.25
+#: ``frequent``: the other people, each named once.
+OTHERS = 4
 
 
 @dataclass(frozen=True)
@@ -108,6 +159,8 @@ def is_hit(item: TaskItem, text: str) -> bool:
     if item.task == "twostage":
         named = re.findall(r"[a-z]+", text.lower())
         return next((w for w in named if w in COLORS), None) == item.answer
+    if item.task == "frequent":
+        return next((w for w in re.findall(r"[A-Za-z]+", text) if w in NAMES), None) == item.answer
     return item.answer in text
 
 
@@ -209,6 +262,18 @@ class TaskBuilder:
 
     def multikey(self, length: int, depth: float, rng: random.Random) -> TaskItem:
         return self._magic_numbers("multikey", length, depth, rng, DISTRACTORS)
+
+    def frequent(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        main, *others = rng.sample(NAMES, 1 + OTHERS)
+        mentions = [(rng.uniform(0, 1 - FREQUENT_TAIL), main) for _ in range(length // FREQUENT_EVERY)]
+        mentions += [(rng.random(), name) for name in others]
+        needles = [(at, f" {name} {rng.choice(ACTIVITIES)}.") for at, name in mentions]
+        head = "Below is a story. One person appears in it far more often than anyone else.\n\n"
+        question = (
+            "\n\nQuestion: Which person appears most often in the story above?\n"
+            "Answer: The person who appears most often is named"
+        )
+        return self.fit("frequent", length, depth, head, needles, question, main, "prose", rng)
 
     def kv(self, length: int, depth: float, rng: random.Random) -> TaskItem:
         head = "Below is a dictionary of keys and values. Remember them.\n\n{"

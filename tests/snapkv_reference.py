@@ -1,9 +1,10 @@
 """Plain references for the observation-window policies, written from the Ada-KV paper with loops.
 
 No code shared with ``kvpolicy.policies``: per query head and window query a
-causal softmax; summed over the window; max-pooled with kernel k; averaged
-over a GQA group; then top-k per head (SnapKV), layer-wide top-k with the
-alpha safeguard (Ada-KV), or pyramidal layer capacities (PyramidKV). Ada-Mix:
+causal softmax; summed over the window; max-pooled with kernel k (its window
+moved ``shift`` tokens back); averaged over a GQA group, or its max; then
+top-k per head (SnapKV), layer-wide top-k with the alpha safeguard (Ada-KV),
+or pyramidal layer capacities (PyramidKV). Ada-Mix:
 KeyDiff's ``-cos(key, mean unit key)`` and the window score, each ranked over
 the whole layer, blended.
 """
@@ -13,12 +14,13 @@ import math
 import torch
 
 
-def reference_scores(keys, queries, window, kernel):
+def reference_scores(keys, queries, window, kernel, shift=0, group="mean"):
     H, length, D = keys.shape
     G = queries.shape[0] // H
     prefix = length - window
     scores = torch.zeros(H, prefix, dtype=torch.float64)
     for h in range(H):
+        per_query_head = []
         for g in range(G):
             q_head = h * G + g
             summed = [0.0] * prefix
@@ -33,9 +35,11 @@ def reference_scores(keys, queries, window, kernel):
                 total = sum(exps)
                 for j in range(prefix):
                     summed[j] += exps[j] / total
-            pooled = [max(summed[max(0, j - kernel // 2) : j + kernel // 2 + 1]) for j in range(prefix)]
-            for j in range(prefix):
-                scores[h, j] += pooled[j] / G
+            reach = [range(j - kernel // 2 - shift, j + kernel // 2 - shift + 1) for j in range(prefix)]
+            per_query_head.append([max(summed[i] for i in span if 0 <= i < prefix) for span in reach])
+        for j in range(prefix):
+            column = [pooled[j] for pooled in per_query_head]
+            scores[h, j] = max(column) if group == "max" else sum(p / G for p in column)
     return scores
 
 
@@ -88,8 +92,8 @@ def reference_layer_ranks(scores):
     return ranks
 
 
-def reference_mix_scores(keys, queries, window, kernel, mix, combine="blend"):
-    window_ranks = reference_layer_ranks(reference_scores(keys, queries, window, kernel))
+def reference_mix_scores(keys, queries, window, kernel, mix, combine="blend", shift=0, group="mean"):
+    window_ranks = reference_layer_ranks(reference_scores(keys, queries, window, kernel, shift, group))
     keydiff_ranks = reference_layer_ranks(reference_keydiff_scores(keys)[:, : window_ranks.shape[1]])
     if combine == "union":
         pairs = zip(window_ranks.tolist(), keydiff_ranks.tolist())

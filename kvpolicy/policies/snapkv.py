@@ -9,8 +9,10 @@ algorithm boxes did not survive extraction; the authors' code settles them):
   are chosen by score.
 - Scores: softmax of the window queries against all prompt keys (causal
   inside the window), in float64 (so near-ties order the same everywhere), summed over the window, max-pooled over
-  positions (kernel 7). GQA: the pooled scores of the query heads sharing a KV
+  positions (kernel 7, centred). GQA: the pooled scores of the query heads sharing a KV
   head are averaged (the reading kvpress and the authors' GQA branch use).
+  Ada-Mix moves the pooling window and takes the group's max instead
+  (``pool_shift``, ``group_scores``; docs/policies.md says why).
 - Ada-KV allocation (Algorithm 2 with the safeguard): the top
   ``H * (budget - window)`` scores of the layer over all heads at once give
   each head a count ``c_h``; head h then keeps
@@ -36,14 +38,19 @@ import torch.nn.functional as F
 
 from kvpolicy.policies.base import Inputs, PromptKV
 from kvpolicy.policies.compose import HeadAllocator, LayerAllocator, Scorer, Split, compose
-from kvpolicy.policies.options import option, positive, positive_odd, unit_interval
+from kvpolicy.policies.options import not_negative, one_of, option, positive, positive_odd, unit_interval
 
 
-def window_scores(keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel: int) -> torch.Tensor:
+def window_scores(
+    keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel: int, pool_shift: int = 0, group_scores: str = "mean"
+) -> torch.Tensor:
     """Observation-window scores of the prefix tokens, [kv_heads, prompt_len - window].
 
     ``keys``: [kv_heads, L, D]; ``window_queries``: [q_heads, W, D], the last W
     prompt queries (query head q belongs to KV head ``q // (q_heads // kv_heads)``).
+    Position j's pooled score is the max over ``j - k//2 - pool_shift .. j + k//2 - pool_shift``
+    (k the kernel): a shift spreads a high score over more of the tokens after it than before.
+    ``group_scores``: ``mean`` or ``max`` of a KV head's query heads' pooled scores.
     """
     kv_heads, length, dim = keys.shape
     q_heads, window, _ = window_queries.shape
@@ -54,8 +61,12 @@ def window_scores(keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel:
     future = torch.arange(length, device=keys.device)[None, :] > query_pos[:, None]
     logits = logits.masked_fill(future[None], float("-inf"))
     weights = logits.softmax(dim=-1)[:, :, : length - window].sum(dim=1)
-    pooled = F.max_pool1d(weights[:, None], kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0]
-    return pooled.view(kv_heads, group, -1).mean(dim=1)
+    # Padded by the reach back on both sides, pooled, then cut to the prefix: output j covers the range above.
+    reach = pool_kernel // 2 + pool_shift
+    padded = F.pad(weights[:, None], (reach, reach), value=float("-inf"))
+    pooled = F.max_pool1d(padded, kernel_size=pool_kernel, stride=1)[:, 0, : length - window]
+    per_query_head = pooled.view(kv_heads, group, -1)
+    return per_query_head.amax(dim=1) if group_scores == "max" else per_query_head.mean(dim=1)
 
 
 def adaptive_counts(scores: torch.Tensor, capacity: int, alpha: float) -> list[int]:
@@ -93,6 +104,19 @@ class ObservationWindow(Scorer):
         32, "observation window: the last prompt queries that score tokens, always kept", check=positive, strict=False
     )
     pool_kernel: int = option(7, "max-pooling kernel over token scores, odd", check=positive_odd, strict=False)
+    pool_shift: int = option(
+        0,
+        "moves the max-pooling window this many tokens back, so a high score keeps more of the tokens after it "
+        "than before it (0: centred)",
+        check=not_negative,
+        strict=False,
+    )
+    group_scores: str = option(
+        "mean",
+        "how a KV head's query heads' scores combine: mean, or max (a token any one of them attends to)",
+        check=one_of("mean", "max"),
+        strict=False,
+    )
 
     def split(self, prompt: PromptKV, budget: int) -> Split | None:
         if budget <= self.window:
@@ -102,7 +126,7 @@ class ObservationWindow(Scorer):
         return Split(0, prompt.window_queries.shape[1], self.window)
 
     def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
-        return window_scores(prompt.keys, prompt.window_queries, self.pool_kernel)
+        return window_scores(prompt.keys, prompt.window_queries, self.pool_kernel, self.pool_shift, self.group_scores)
 
 
 @dataclass(frozen=True)

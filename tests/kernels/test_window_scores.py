@@ -25,4 +25,6 @@ def test_window_scores_triton(dtype, kv_heads, length, window, pool):
     want = window_scores_reference(keys, queries, pool)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, **TOLERANCE)
-    torch.testing.assert_close(got.cpu().double(), snapkv_window_scores(keys.cpu(), queries.cpu(), pool), **TOLERANCE)
+    if pool % 2:  # the policies take odd kernels only (an even one pads one more score at the end)
+        snapkv = snapkv_window_scores(keys.cpu(), queries.cpu(), pool)
+        torch.testing.assert_close(got.cpu().double(), snapkv, **TOLERANCE)

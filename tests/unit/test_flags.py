@@ -35,6 +35,8 @@ def test_the_flags_are_todays():
         "ratio",
         "window",
         "pool_kernel",
+        "pool_shift",
+        "group_scores",
         "alpha",
         "mix",
         "combine",
@@ -87,4 +89,13 @@ def test_a_new_snapkv_family_policy_is_one_compose_line():
         doc="Ada-Mix's scores over PyramidKV's layer capacities.",
     )
     assert issubclass(policy, TokenSelector) and policy.family() == POLICIES["snapkv"].family()
-    assert [f.name for f in fields(policy)] == ["window", "pool_kernel", "mix", "combine", "beta", "alpha"]
+    assert [f.name for f in fields(policy)] == [
+        "window",
+        "pool_kernel",
+        "pool_shift",
+        "group_scores",
+        "mix",
+        "combine",
+        "beta",
+        "alpha",
+    ]

@@ -1,13 +1,26 @@
 """The quality harness's tasks: exact lengths, reproducible, the asked-for fact at its depth; its arithmetic."""
 
 import math
+import re
+from collections import Counter
 
 import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.common import policy_options
 from benchmarks.quality import compared_cells, policy_grid, reliable_cells, request_budget, servable, summary_rows
-from benchmarks.tasks import COLORS, TASKS, TaskBuilder, TaskItem, is_hit
+from benchmarks.tasks import (
+    ACTIVITIES,
+    COLORS,
+    FREQUENT_EVERY,
+    FREQUENT_TAIL,
+    NAMES,
+    OTHERS,
+    TASKS,
+    TaskBuilder,
+    TaskItem,
+    is_hit,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +70,30 @@ def test_twostage_counts_only_the_first_color_named():
     assert not is_hit(item, " 18, the color is red or teal")
     assert not is_hit(item, " 18.")
     assert set(COLORS) >= {"teal", "red"}
+
+
+def test_frequent_repeats_one_name_outside_the_last_quarter_and_four_others_once(builder):
+    item = builder.build("frequent", 2000, 0.5, seed=0)
+    text = builder.tokenizer.decode(item.ids)
+    story = text[: text.index("\n\nQuestion:")]
+    sentence = re.compile(rf" ({'|'.join(NAMES)}) ({'|'.join(ACTIVITIES)})\.")
+
+    def filler_tokens(part: str) -> int:
+        return len(builder.encode(sentence.sub("", part)))
+
+    named = Counter(name for name, _ in sentence.findall(story))
+    assert named[item.answer] == 2000 // FREQUENT_EVERY
+    assert sorted(named.values()) == [1] * OTHERS + [2000 // FREQUENT_EVERY]
+    # After the main person's last sentence: the filler's last quarter at least (less a sentence's slack).
+    after = story[story.rindex(f" {item.answer} ") :]
+    assert filler_tokens(after) >= FREQUENT_TAIL * filler_tokens(story) - 40
+
+
+def test_frequent_counts_only_the_first_person_named():
+    item = TaskItem("frequent", 10, 0.5, [], "Nora")
+    assert is_hit(item, " Nora.")
+    assert not is_hit(item, " Tina, then Nora")
+    assert not is_hit(item, " not specified.")
 
 
 def test_request_budget_reads_tokens_and_compression_ratios():

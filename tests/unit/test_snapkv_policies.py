@@ -59,22 +59,33 @@ def test_pyramid_budgets_fall_with_depth(prompt):
     assert as_lists(got_ada) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
+@pytest.mark.parametrize("shift, group", [(0, "mean"), (2, "mean"), (2, "max"), (0, "max")])
+def test_adasnap_with_a_moved_pooling_window_and_the_groups_max(prompt, shift, group):
+    scores = reference_scores(prompt.keys, prompt.window_queries, WINDOW, KERNEL, shift, group)
+    counts = reference_ada_counts(scores, BUDGET - WINDOW, 0.5)
+    policy = make_policy("adasnap", window=WINDOW, pool_kernel=KERNEL, pool_shift=shift, group_scores=group)
+    assert as_lists(policy.keep(prompt, BUDGET)) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
+
+
 @pytest.mark.parametrize(
     "mix, alpha, combine", [(0.5, 0.5, "blend"), (1.0, 0.5, "blend"), (1.0, 1.0, "blend"), (0.5, 0.5, "union")]
 )
 def test_adamix_allocates_over_combined_window_and_keydiff_ranks(prompt, mix, alpha, combine):
-    scores = reference_mix_scores(prompt.keys, prompt.window_queries, WINDOW, KERNEL, mix, combine)
+    """With adamix's own pooling (window moved 4 back: 2 at this kernel of 5) and the group's max."""
+    shift = 2
+    scores = reference_mix_scores(prompt.keys, prompt.window_queries, WINDOW, KERNEL, mix, combine, shift, "max")
     counts = reference_ada_counts(scores, BUDGET - WINDOW, alpha)
-    got = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=mix, alpha=alpha, combine=combine).keep(
-        prompt, BUDGET
+    policy = make_policy(
+        "adamix", window=WINDOW, pool_kernel=KERNEL, pool_shift=shift, mix=mix, alpha=alpha, combine=combine
     )
-    assert as_lists(got) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
+    assert policy.group_scores == "max"
+    assert as_lists(policy.keep(prompt, BUDGET)) == reference_keep(counts, scores, prompt.num_tokens, WINDOW)
 
 
-def test_adamix_without_keydiff_is_adasnap(prompt):
+def test_adamix_without_keydiff_is_adasnap_with_its_pooling(prompt):
     adamix = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=0.0, combine="blend").keep(prompt, BUDGET)
-    adasnap = make_policy("adasnap", window=WINDOW, pool_kernel=KERNEL).keep(prompt, BUDGET)
-    assert as_lists(adamix) == as_lists(adasnap)
+    adasnap = make_policy("adasnap", window=WINDOW, pool_kernel=KERNEL, pool_shift=4, group_scores="max")
+    assert as_lists(adamix) == as_lists(adasnap.keep(prompt, BUDGET))
 
 
 @pytest.mark.parametrize("capacity, prefix", [(200, 3000), (96, 1068), (96, 97)])
