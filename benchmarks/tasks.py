@@ -12,11 +12,14 @@ the fact asked for at ``depth`` (0 = first, 1 = last) of the context:
 - ``kv``: a dictionary of word-pair keys and five-digit values filling the context; one value asked for.
 - ``twostage``: OmniKV's 2StageRetr (paper §A): a dictionary of numbers to colors and an addition
   whose sum is the key to look up; the model must add, then find that key's color.
-- ``frequent``: essay prose in which one person is named in one sentence per ``FREQUENT_EVERY`` tokens,
-  spread over the first three quarters, and four others once each anywhere; asked who appears most
-  often. No single sentence answers it: the answer is the name the whole context repeats, so the
-  tokens that matter are many and spread (the heavy hitters H2O and D2O keep), and none is in the
-  last quarter, which is all a recent window keeps at ratio 0.75. ``depth`` only seeds the draw.
+- ``frequent``: essay prose in which one person is named, first name and surname, in one sentence per
+  ``FREQUENT_EVERY`` tokens, spread over the first three quarters, and four others once each anywhere;
+  asked who appears most often, by full name. No single sentence answers it: the answer is the name the
+  whole context repeats, so the tokens that matter are many and spread (the heavy hitters H2O and D2O
+  keep), and none is in the last quarter, which is all a recent window keeps at ratio 0.75. The first
+  name is the answer's first token, which the prompt's last position computes over the full cache
+  (compression runs at the prompt's end); the surname comes from decode steps over the compressed
+  cache, so it is what a policy can lose. ``depth`` only seeds the draw.
 
 What mattered for the default model (docs/benchmarks.md has the measurements):
 the passkey header and question. "There is a pass key hidden ... remember it"
@@ -29,7 +32,8 @@ often answered "not specified" instead of a name. Asked for the most frequent of
 a plain list of words, it named the right one in none of 10 prompts at 1K.
 
 A hit is the answer in the first ``ANSWER_TOKENS`` generated tokens; for ``twostage`` and ``frequent``,
-the first color or person the model names must be the right one (so naming every one does not score).
+the first color or person the model names must be the right one (so naming every one does not score),
+and for ``frequent`` the person's full name must follow.
 """
 
 from __future__ import annotations
@@ -122,6 +126,21 @@ NAMES = (
     "Lucas",
     "Ava",
 )
+#: ``frequent``'s surnames, several tokens each, drawn per prompt: a surname is copied from the cache, not guessed.
+SURNAMES = (
+    "Whitfield",
+    "Ashworth",
+    "Pemberton",
+    "Kowalski",
+    "Delacroix",
+    "Fairbanks",
+    "Lindqvist",
+    "Okonkwo",
+    "Brannigan",
+    "Castellano",
+    "Hargreaves",
+    "Thornbury",
+)
 ACTIVITIES = (
     "went for a walk",
     "read a book",
@@ -160,7 +179,8 @@ def is_hit(item: TaskItem, text: str) -> bool:
         named = re.findall(r"[a-z]+", text.lower())
         return next((w for w in named if w in COLORS), None) == item.answer
     if item.task == "frequent":
-        return next((w for w in re.findall(r"[A-Za-z]+", text) if w in NAMES), None) == item.answer
+        first = re.search(rf"\b(?:{'|'.join(NAMES)})\b(?: [A-Za-z]+)?", text)
+        return first is not None and first.group() == item.answer
     return item.answer in text
 
 
@@ -264,13 +284,17 @@ class TaskBuilder:
         return self._magic_numbers("multikey", length, depth, rng, DISTRACTORS)
 
     def frequent(self, length: int, depth: float, rng: random.Random) -> TaskItem:
-        main, *others = rng.sample(NAMES, 1 + OTHERS)
+        people = [
+            f"{name} {surname}"
+            for name, surname in zip(rng.sample(NAMES, 1 + OTHERS), rng.sample(SURNAMES, 1 + OTHERS))
+        ]
+        main, *others = people
         mentions = [(rng.uniform(0, 1 - FREQUENT_TAIL), main) for _ in range(length // FREQUENT_EVERY)]
         mentions += [(rng.random(), name) for name in others]
         needles = [(at, f" {name} {rng.choice(ACTIVITIES)}.") for at, name in mentions]
         head = "Below is a story. One person appears in it far more often than anyone else.\n\n"
         question = (
-            "\n\nQuestion: Which person appears most often in the story above?\n"
+            "\n\nQuestion: Which person appears most often in the story above? Give their full name.\n"
             "Answer: The person who appears most often is named"
         )
         return self.fit("frequent", length, depth, head, needles, question, main, "prose", rng)

@@ -16,6 +16,7 @@ from benchmarks.tasks import (
     FREQUENT_TAIL,
     NAMES,
     OTHERS,
+    SURNAMES,
     TASKS,
     TaskBuilder,
     TaskItem,
@@ -76,7 +77,7 @@ def test_frequent_repeats_one_name_outside_the_last_quarter_and_four_others_once
     item = builder.build("frequent", 2000, 0.5, seed=0)
     text = builder.tokenizer.decode(item.ids)
     story = text[: text.index("\n\nQuestion:")]
-    sentence = re.compile(rf" ({'|'.join(NAMES)}) ({'|'.join(ACTIVITIES)})\.")
+    sentence = re.compile(rf" ((?:{'|'.join(NAMES)}) (?:{'|'.join(SURNAMES)})) ({'|'.join(ACTIVITIES)})\.")
 
     def filler_tokens(part: str) -> int:
         return len(builder.encode(sentence.sub("", part)))
@@ -89,10 +90,12 @@ def test_frequent_repeats_one_name_outside_the_last_quarter_and_four_others_once
     assert filler_tokens(after) >= FREQUENT_TAIL * filler_tokens(story) - 40
 
 
-def test_frequent_counts_only_the_first_person_named():
-    item = TaskItem("frequent", 10, 0.5, [], "Nora")
-    assert is_hit(item, " Nora.")
-    assert not is_hit(item, " Tina, then Nora")
+def test_frequent_counts_only_the_first_person_named_and_asks_their_surname():
+    item = TaskItem("frequent", 10, 0.5, [], "Nora Whitfield")
+    assert is_hit(item, " Nora Whitfield.")
+    assert not is_hit(item, " Nora.")
+    assert not is_hit(item, " Nora Ashworth, Nora Whitfield")
+    assert not is_hit(item, " Tina Ashworth, then Nora Whitfield")
     assert not is_hit(item, " not specified.")
 
 
