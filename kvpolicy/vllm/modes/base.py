@@ -232,3 +232,12 @@ class ModePath:
 
     def layer_index(self, layer) -> int:
         return self.worker.layer_index(layer.layer_name)
+
+    def platform_writes(self, own_rows, platform_tokens, key, platform_write) -> bool:
+        """The platform's share of a layer's cache write: every row when the step has none of this path's own
+        (``own_rows`` None: returns False, nothing left to write), else the tokens ``platform_tokens``."""
+        if own_rows is None:
+            platform_write(None)
+            return False
+        platform_write(self.ops.on_device(platform_tokens, key.device))
+        return True

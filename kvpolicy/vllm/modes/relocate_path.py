@@ -41,10 +41,8 @@ class PerHeadPath(ModePath):
     def write(self, layer, key, value, kv_cache, step: RelocatingStep, platform_write: PlatformWrite) -> None:
         """The relocated rows' new K/V into their own pages; the platform writes the rest."""
         per_head = step.per_head
-        if per_head is None:
-            platform_write(None)
+        if not self.platform_writes(per_head, step.platform_layout_tokens, key, platform_write):
             return
-        platform_write(self.ops.on_device(step.platform_layout_tokens, key.device))
         cache = self.mode.relocated_cache(kv_cache)
         self.ops.write(layer, cache, key, value, per_head.rows, per_head.slots[self.layer_index(layer)])
 

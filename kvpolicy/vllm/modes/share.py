@@ -136,10 +136,8 @@ class SharingPath(ModePath):
     def write(self, layer, key, value, kv_cache, step: SharingStep, platform_write: PlatformWrite) -> None:
         """The decode rows' new K/V at the end of their main sequences; the platform writes the rest."""
         shared = step.shared
-        if shared is None:
-            platform_write(None)
+        if not self.platform_writes(shared, step.stock.token_idx, key, platform_write):
             return
-        platform_write(self.ops.on_device(step.stock.token_idx, key.device))
         pages = self.worker.page_space().pages
         self.ops.write(layer, pages, key, value, shared.rows, shared.slots[self.layer_index(layer)])
 
