@@ -320,12 +320,18 @@ def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
         engine.add_request(req_id, CONTEXT, compressed=True)
     traffic = Traffic()
     builds, layers, launches = [], [], []
-    for step in range(steps + 1):
+
+    def step_rows(prompt: str) -> list[tuple[str, int]]:
+        """A step's rows: every decode, then (mixed) a new prompt in the row the last one left, after the
+        decodes (``InputBatch.add_request``)."""
         rows = [(req_id, 1) for req_id in decoding]
-        if mixed:  # a new prompt takes the row the last one left, after the decodes (``InputBatch.add_request``)
-            prompt = f"prompt-{step}"
+        if mixed:
             engine.add_request(prompt, 0, compressed=False)
             rows.append((prompt, CHUNK))
+        return rows
+
+    for step in range(steps + 1):
+        rows = step_rows(f"prompt-{step}")
         if step == 0:  # warm-up: caches of the first step
             engine.run_step(rows)
             continue
@@ -334,10 +340,7 @@ def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
         builds.append(build_s)
         layers.append(layers_s)
     for step in range(steps):  # the same steps again, untimed, counting launches
-        rows = [(req_id, 1) for req_id in decoding]
-        if mixed:
-            engine.add_request(f"counted-prompt-{step}", 0, compressed=False)
-            rows.append((f"counted-prompt-{step}", CHUNK))
+        rows = step_rows(f"counted-prompt-{step}")
         LAUNCHES.clear()
         with launches_counted():
             engine.run_step(rows)

@@ -46,7 +46,7 @@ from kvpolicy.policies.base import PromptKV
 from kvpolicy.policies.compose import compose
 from kvpolicy.policies.keydiff import keydiff_scores
 from kvpolicy.policies.options import one_of, option, unit_interval
-from kvpolicy.policies.snapkv import AdaKV, ObservationWindow, window_scores
+from kvpolicy.policies.snapkv import AdaKV, ObservationWindow
 
 
 def layer_ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ class MixedScores(ObservationWindow):
     )
 
     def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
-        window = window_scores(prompt.keys, prompt.window_queries, self.pool_kernel, self.pool_shift, self.group_scores)
+        window = super().scores(prompt)
         if self.combine == "blend" and self.mix == 0:
             return window
         # Ranks over every head of the layer, even when tensor parallelism split them.
