@@ -160,7 +160,7 @@ def main() -> int:
         rows.append(
             row | {f"blocks_freed_{length}": blocks_freed(pod, groups, length) for length in args.block_lengths}
         )
-    columns = ["delta", *(key for key in rows[0] if key != "delta")]
+    columns = list(rows[0])  # "delta" first, then each length's and each block length's columns
     settings = {**vars(args), "harness": str(harness), "similarity": str(args.similarity), "out": str(args.out)}
     write_results(args.out, settings, rows, columns, plot)
     return 0
