@@ -12,7 +12,13 @@ from .page_scores import (
     context_token_scores,
     context_token_scores_reference,
 )
-from .paged_attention import MIN_SPLIT_KEYS, paged_attention, paged_attention_reference
+from .paged_attention import (
+    MIN_SPLIT_KEYS,
+    TARGET_PROGRAMS,
+    decode_workspace,
+    paged_attention,
+    paged_attention_reference,
+)
 from .pod_attention import pod_attention, pod_attention_reference
 from .relocate import (
     gather_tokens,
@@ -31,12 +37,14 @@ __all__ = [
     "MIN_SPLIT_KEYS",
     "PageGeometry",
     "STEADY_KERNELS",
+    "TARGET_PROGRAMS",
     "context_attention",
     "context_attention_reference",
     "context_page_scores",
     "context_page_scores_reference",
     "context_token_scores",
     "context_token_scores_reference",
+    "decode_workspace",
     "flat",
     "gather_tokens",
     "gather_tokens_reference",

@@ -206,6 +206,15 @@ def _merge_splits_kernel(
     )
 
 
+def decode_workspace(parts: int, group: int, head_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for ``parts`` (split, virtual token) partial softmax states of a split decode: weighted values
+    and (max, sum). A split decode of ``rows`` tokens over ``splits`` splits needs ``splits * rows``;
+    no decode needs more than ``TARGET_PROGRAMS``."""
+    group_pad, head_pad = triton.next_power_of_2(group), max(16, triton.next_power_of_2(head_size))
+    values = torch.empty(parts, group_pad, head_pad, dtype=torch.float32, device=device)
+    return values, torch.empty(parts, group_pad, 2, dtype=torch.float32, device=device)
+
+
 def paged_attention(
     query: torch.Tensor,
     out: torch.Tensor,
@@ -220,6 +229,7 @@ def paged_attention(
     num_kv_heads: int,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write into ``out`` [T, Hq, D] the causal paged attention of every virtual token (see module docstring).
 
@@ -227,7 +237,9 @@ def paged_attention(
     ``token_of[i]``; virtual sequence s owns virtual tokens
     ``query_start_loc[s] .. query_start_loc[s+1]`` (the last positions of its
     ``seq_lens[s]`` keys, on pages ``page_table[s]``). The two maxima size the
-    grid; callers that know them on the host pass them (else read back here).
+    grid; callers that know them on the host pass them (else read back here). ``workspace``
+    (``decode_workspace``): where a split decode keeps its partial states, instead of memory taken
+    at each call (a CUDA graph's replays then read and write the same addresses).
     """
     rows = token_of.numel()
     if rows == 0:
@@ -248,8 +260,10 @@ def paged_attention(
         splits = max(1, min(triton.cdiv(max_seq_len, MIN_SPLIT_KEYS), TARGET_PROGRAMS // seqs))
     part_out = part_stats = out  # unused when the kernel writes the output directly
     if splits > 1:
-        part_out = torch.empty(splits, rows, group_pad, head_pad, dtype=torch.float32, device=query.device)
-        part_stats = torch.empty(splits, rows, group_pad, 2, dtype=torch.float32, device=query.device)
+        if workspace is None:
+            workspace = decode_workspace(splits * rows, group, geom.head_size, query.device)
+        part_out = workspace[0][: splits * rows].view(splits, rows, group_pad, head_pad)
+        part_stats = workspace[1][: splits * rows].view(splits, rows, group_pad, 2)
     low_precision = dot_in_cache_dtype(cache)
     _paged_attention_kernel[(seqs, q_tiles, splits)](
         query,

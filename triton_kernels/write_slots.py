@@ -44,9 +44,10 @@ def _write_slots_kernel(
 ):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
+    slots = tl.load(slots_ptr + row, mask=row_ok, other=-1)
+    row_ok &= slots >= 0  # a padded row of a fixed-shape decode step: no slot, nothing to write
     token = tl.load(token_of_ptr + row, mask=row_ok, other=0).to(tl.int64)
     head = tl.load(head_of_ptr + row, mask=row_ok, other=0).to(tl.int64)
-    slots = tl.load(slots_ptr + row, mask=row_ok, other=0)
     dims = tl.arange(0, HEAD_PAD)
     mask = row_ok[:, None] & (dims < head_size)[None, :]
     key = tl.load(row_pointers(key_ptr, token, head, dims, key_stride_t, key_stride_h, key_stride_d), mask=mask)
@@ -80,7 +81,8 @@ def write_slots(
     head_of: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Row i: ``key[token_of[i], head_of[i]]`` and its value go to slot ``slots[i]``; key/value [T, Hkv, D]."""
+    """Row i: ``key[token_of[i], head_of[i]]`` and its value go to slot ``slots[i]``; key/value [T, Hkv, D].
+    A negative slot writes nothing (vLLM's padding convention)."""
     rows = slots.numel()
     if rows == 0:
         return
@@ -104,6 +106,7 @@ def write_slots(
 def write_slots_reference(cache, geom, key, value, token_of, head_of, slots) -> None:
     """Plain torch: index the rows out of key/value and assign them at the slots' flat offsets."""
     storage = flat(cache)
-    token, head = token_of.long(), head_of.long()
+    kept = slots >= 0
+    token, head, slots = token_of[kept].long(), head_of[kept].long(), slots[kept]
     storage[geom.element_index(slots)] = key[token, head].to(cache.dtype)
     storage[geom.element_index(slots, value=True)] = value[token, head].to(cache.dtype)

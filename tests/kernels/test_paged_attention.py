@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvpolicy_triton import paged_attention, paged_attention_reference
+from kvpolicy_triton import TARGET_PROGRAMS, decode_workspace, paged_attention, paged_attention_reference
 from tests.kernels.paging import DEVICE, DTYPES, LAYOUTS, TOLERANCE, index, make_cache, shuffled_pages
 
 # (new tokens, KV length of each KV head): decodes (1 new token) and chunks (causal inside the chunk).
@@ -86,3 +86,19 @@ def test_paged_attention_triton_long_sequences(requests, dtype):
     paged_attention(query, out, cache, geom, **args)
     paged_attention_reference(query, want, cache, geom, **args)
     torch.testing.assert_close(out, want, **TOLERANCE[dtype])
+
+
+def test_paged_attention_in_fixed_shapes_matches_reference():
+    """A fixed-shape decode call (what a CUDA graph replays): the grid sized for the longest sequence the model
+    allows rather than this batch's, the split states in a workspace kept between calls, and padded sequences
+    of length 0, whose queries come out zero."""
+    kv_heads, head_size = 3, 32
+    requests = [*LONG_DECODES, (1, [0, 0, 0])]  # the last row: padding
+    query, out, cache, geom, ints = build_batch("head_major", kv_heads, head_size, torch.float32, requests=requests)
+    args = dict(ints, scale=1 / math.sqrt(head_size), num_kv_heads=kv_heads)
+    workspace = decode_workspace(TARGET_PROGRAMS, QUERY_HEADS // kv_heads, head_size, DEVICE)
+    want = out.clone()
+    paged_attention(query, out, cache, geom, **args, max_query_len=1, max_seq_len=32768, workspace=workspace)
+    paged_attention_reference(query, want, cache, geom, **args)
+    torch.testing.assert_close(out[:2], want[:2], **TOLERANCE[torch.float32])
+    assert (out[2] == 0).all()

@@ -29,3 +29,17 @@ def test_write_slots_triton_matches_reference(dtype, layout):
     stored = flat(cache)
     assert torch.equal(stored[geom.element_index(slots)], key[token_of.long(), head_of])
     assert torch.equal(stored[geom.element_index(slots, value=True)], value[token_of.long(), head_of])
+
+
+def test_write_slots_skips_negative_slots():
+    """A padded row of a fixed-shape decode step has slot -1: nothing of it is written, as in vLLM's writer."""
+    kv_heads, head_size = 2, 32
+    cache, geom = make_cache("head_major", 4, kv_heads, head_size, torch.float32)
+    key = torch.randn(3, kv_heads, head_size).to(DEVICE)
+    token_of, head_of, slots = index([0, 1, 2]), index([0, 1, 0], torch.int64), index([5, -1, 9])
+    want = cache.clone()
+    write_slots(cache, geom, key, key, token_of, head_of, slots)
+    write_slots_reference(want, geom, key, key, token_of, head_of, slots)
+    assert torch.equal(cache, want)
+    stored = flat(cache)
+    assert torch.equal(stored[geom.element_index(slots[[0, 2]])], key[[0, 2], [0, 0]])
