@@ -9,6 +9,7 @@ Sibling of ``cuda_backend.py``: both attach the step that their builder's
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 
 from kvpolicy.vllm.attention import KVPolicyAttention
@@ -19,6 +20,8 @@ from kvpolicy.vllm.step import Step
 from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
 
 _cpu_attn = importlib.import_module(CPU_ATTN_MODULE)
+#: Set to 1 (with ``KVPOLICY_OPS=triton``) to run decode batches in fixed shapes on CPU (``fixed_decode_rows``).
+FIXED_DECODE_ENV = "KVPOLICY_FIXED_DECODE"
 
 
 def uses_triton() -> bool:
@@ -58,6 +61,13 @@ class KVPolicyCPUMetadataBuilder(KVPolicyMetadataBuilder, _cpu_attn.CPUAttention
             from kvpolicy.vllm.ops.cpu import CPUOps
 
             self.ops = CPUOps(self)
+
+    def fixed_decode_rows(self) -> int:
+        """None: the CPU platform has no CUDA graphs. ``KVPOLICY_FIXED_DECODE=1`` with the Triton ops runs
+        decode batches in the fixed shapes a GPU's full graphs replay, to test them end to end."""
+        if os.environ.get(FIXED_DECODE_ENV) == "1" and uses_triton():
+            return self.vllm_config.scheduler_config.max_num_seqs
+        return 0
 
     def step_shape(self) -> StepShape:
         return StepShape(

@@ -2,12 +2,15 @@
 
 Sibling of ``cpu_backend.py``: stock rows and steps with no kvpolicy work run
 vLLM's own Triton attention (``super()``); per-head and selection rows run
-kvpolicy's Triton kernels through the builder's ``TritonOps``. The per-head step is built on
-the host every step (page tables change as policies relocate), so while a
-policy changes attention the builder reports no CUDA graph support for
-attention: vLLM then keeps piecewise CUDA graphs for everything else and runs
-attention eagerly between them (it logs that choice); ``--enforce-eager`` is
-not needed. With ``--kv-policy none`` the backend is vLLM's, graphs included.
+kvpolicy's Triton kernels through the builder's ``TritonOps``. For a policy
+whose decode has no host work after attention (the SnapKV family, streaming,
+identity), decode batches run in fixed shapes over persistent buffers
+(``modes/fixed_decode.py``) and the builder reports CUDA-graph support for
+them, so vLLM replays full graphs for decode and piecewise ones otherwise.
+For the others (eviction in decode, OmniKV, PoD, offload) it reports none:
+vLLM keeps piecewise CUDA graphs for the rest of the model and runs attention
+eagerly between them (it logs that choice); ``--enforce-eager`` is never
+needed. With ``--kv-policy none`` the backend is vLLM's, graphs included.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+from kvpolicy.policies import POLICIES
 from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.attention import KVPolicyAttention
-from kvpolicy.vllm.internals import TRITON_ATTN_MODULE, AttentionCGSupport
+from kvpolicy.vllm.internals import TRITON_ATTN_MODULE, AttentionCGSupport, full_decode_graph_rows
+from kvpolicy.vllm.modes import fixed_decode
 from kvpolicy.vllm.modes.base import StepShape
 from kvpolicy.vllm.ops.triton import TritonOps
 from kvpolicy.vllm.step import Step
@@ -53,12 +58,29 @@ class KVPolicyTritonMetadataBuilder(KVPolicyMetadataBuilder, _triton_attn.Triton
         config = stored_config(vllm_config.additional_config)
         if config is None or not config.changes_attention:
             return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        why_not = fixed_decode.refusal(POLICIES[config.policy], config.offload is not None)
+        if why_not is None:
+            model, parallel = vllm_config.model_config, vllm_config.parallel_config
+            max_seqs = vllm_config.scheduler_config.max_num_seqs
+            size = fixed_decode.buffer_bytes(
+                model.get_num_layers(parallel), model.get_num_kv_heads(parallel), max_seqs,
+                model.max_model_len, kv_cache_spec.block_size,
+            )  # fmt: skip
+            if size > fixed_decode.MAX_BUFFER_BYTES:
+                why_not = f"its decode buffers would take {size >> 20} MiB (lower --max-num-seqs or --max-model-len)"
+        if why_not is None:
+            logger.info("--kv-policy %s: decode batches run in full CUDA graphs, other steps piecewise", config.policy)
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         logger.warning(
-            "--kv-policy %s: attention runs outside CUDA graphs (its per-head page tables are rebuilt on "
-            "the host each step); the rest of the model keeps piecewise CUDA graphs",
+            "--kv-policy %s: attention runs outside CUDA graphs (%s); the rest of the model keeps piecewise "
+            "CUDA graphs",
             config.policy,
+            why_not,
         )
         return AttentionCGSupport.NEVER
+
+    def fixed_decode_rows(self) -> int:
+        return full_decode_graph_rows(self.vllm_config)
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

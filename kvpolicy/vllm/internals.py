@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.config import KVTransferConfig, VllmConfig, get_current_vllm_config
+from vllm.config import CUDAGraphMode, KVTransferConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -164,6 +164,51 @@ def host_batch_tensors(cam, runner) -> tuple[torch.Tensor, torch.Tensor]:
     seq_lens = cam.seq_lens_cpu_upper_bound
     seq_lens = cam.seq_lens[:num_reqs].cpu() if seq_lens is None else seq_lens[:num_reqs]
     return seq_lens, runner.input_batch.block_table[0].get_cpu_tensor()[:num_reqs]
+
+
+def full_decode_graph_rows(vllm_config) -> int:
+    """The most rows of a decode batch vLLM may replay in a full CUDA graph: none unless its CUDA-graph mode
+    has full graphs (``CompilationConfig.cudagraph_mode``, resolved by the runner from the builders'
+    ``get_cudagraph_support``), else its largest capture size, at most ``max_num_seqs``."""
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return 0
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    return min(max_seqs, compilation.max_cudagraph_capture_size or max_seqs)
+
+
+def forbid_full_graphs_while(runner, busy: Callable[[], bool]) -> None:
+    """Make the runner's CUDA-graph dispatcher (``v1/cudagraph_dispatcher.py``: ``dispatch``, which picks a
+    step's graph from its batch shape) leave out full graphs while ``busy()``: piecewise graphs then run
+    with attention called eagerly, as vLLM does for an encoder-decoder step (``invalid_modes``). A call
+    that names its modes (a data-parallel re-dispatch to the mode the ranks agreed on) is left as it is."""
+    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+    if dispatcher is None:
+        return
+    dispatch = dispatcher.dispatch
+
+    def dispatch_unless_busy(*args, valid_modes=None, invalid_modes=None, **kwargs):
+        if valid_modes is None and busy():
+            invalid_modes = {*(invalid_modes or ()), CUDAGraphMode.FULL}
+        return dispatch(*args, valid_modes=valid_modes, invalid_modes=invalid_modes, **kwargs)
+
+    dispatcher.dispatch = dispatch_unless_busy
+
+
+def prompt_rows_scheduled(scheduler_output, runner) -> bool:
+    """Whether a step reads some prompt tokens: a new request, or a running one whose computed tokens
+    (``SchedulerOutput.scheduled_cached_reqs``) have not reached its prompt's end yet (resumed after a
+    preemption, or a chunk); one the runner does not hold yet counts as a prompt."""
+    if scheduler_output.scheduled_new_reqs:
+        return True
+    cached = scheduler_output.scheduled_cached_reqs
+    requests = runner.requests
+    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        request = requests.get(req_id)
+        if request is None or computed < request.num_prompt_tokens:
+            return True
+    return False
 
 
 def attention_metadata_builders(runner):

@@ -75,6 +75,11 @@ class WorkerState:
     releases: dict[str, BlockRelease] = field(default_factory=dict)
     family: dict[str, Policy] = field(default_factory=dict)  # other policies of the family, by name
     ops: str | None = None  # the builders' KVOps class, for logs and tests
+    #: Decode batches run in fixed shapes (``modes/fixed_decode.py``) for the platform's full CUDA graphs;
+    #: then ``prompt_in_step`` (set per step from the scheduler's output) keeps a step with prompt rows
+    #: out of them.
+    fixed_decode: bool = False
+    prompt_in_step: bool = False
     tp_rank: int = 0
     #: This rank's share of every layer's KV heads for layer-wide choices, under --kv-tp-allocation exact.
     head_group: HeadGroup | None = None

@@ -327,7 +327,33 @@ class SharingStep(OnPath):
     layouts: list[SharedLayoutPlan] = field(default_factory=list)
 
 
-Step = RelocatingStep | SelectingStep | SharingStep
+@dataclass
+class FixedDecodeInputs:
+    """What the host makes of a fixed-shape decode step (``modes/fixed_decode.py``), staged with it: every
+    one-head sequence's length and new token's slot, [layers, rows * H] (padded rows 0 and -1); which
+    sequences are relocated rows' (their page tables come from the mode's device copy) and which are
+    stock rows', with those rows' page tables (``block * H + h``)."""
+
+    seq_lens: torch.Tensor
+    slots: torch.Tensor
+    relocated: torch.Tensor
+    stock: torch.Tensor
+    stock_tables: torch.Tensor
+
+
+@dataclass
+class FixedDecodeStep(OnPath):
+    """A relocating mode's decode batch, every row one token, in fixed shapes: one write and one attention
+    call per layer over persistent device buffers, the same launches with the same arguments at every step
+    of its padded size (what a full CUDA graph replays). ``per_head``: its relocated rows, as built for
+    the per-head path; ``calls``: the buffers' views the layers run (``FixedDecodeCalls``)."""
+
+    inputs: FixedDecodeInputs
+    per_head: PerHeadBatch | None
+    calls: Any = field(repr=False)
+
+
+Step = RelocatingStep | SelectingStep | SharingStep | FixedDecodeStep
 
 
 def step_tensors(step: Step):

@@ -35,7 +35,8 @@ class StepBuilder:
         """``cam``: vLLM's ``CommonAttentionMetadata`` of the step. None: every row takes the stock path."""
         step = self.mode.build(HostBatch.of(cam, self.worker.runner), self.shape)
         if step is not None:
-            step.path = self.path
+            if step.path is None:  # a step the mode made for a path of its own (fixed shapes) keeps it
+                step.path = self.path
             self.mode.stage(step, self.ops)
         return step
 
@@ -52,13 +53,25 @@ class KVPolicyMetadataBuilder:
         """The model and cache this builder's steps are for, and its ops' planner."""
         raise NotImplementedError
 
+    def fixed_decode_rows(self) -> int:
+        """The most rows of a decode batch the platform may replay in a full CUDA graph (0: none)."""
+        return 0
+
     def bind(self, worker: WorkerState) -> None:
-        """Build steps with the worker's mode (none: every row stays on the platform's path)."""
+        """Build steps with the worker's mode (none: every row stays on the platform's path), in fixed
+        shapes for the decode batches the platform may replay in full CUDA graphs."""
         worker.ops = type(self.ops).__name__
         mode = worker.mode
-        self.steps = (
-            None if mode is None else StepBuilder(worker, mode, make_path(mode, self.ops), self.ops, self.step_shape())
-        )
+        if mode is None:
+            self.steps = None
+            return
+        shape = self.step_shape()
+        self.steps = StepBuilder(worker, mode, make_path(mode, self.ops), self.ops, shape)
+        rows = self.fixed_decode_rows()
+        if rows:
+            layer = attention_layer(self.vllm_config, self.layer_names[0])
+            device = layer.kv_cache.device
+            worker.fixed_decode = mode.enable_fixed_decode(self.ops, shape, rows, layer.impl.head_size, device)
 
     def warm_up(self) -> None:
         """Compile the ops' kernels before the first request, over the first layer's cache."""

@@ -24,7 +24,9 @@ from kvpolicy.vllm.internals import (
     GPU_WORKER_MODULE,
     attention_metadata_builders,
     ensure_intermediate_tensors,
+    forbid_full_graphs_while,
     pipeline_stage,
+    prompt_rows_scheduled,
     tensor_parallel_gather,
     worker_connectors,
 )
@@ -64,6 +66,8 @@ class KVPolicyWorkerHooks:
         for builder in attention_metadata_builders(self.model_runner):
             if isinstance(builder, KVPolicyMetadataBuilder):
                 builder.bind(self.kvpolicy)
+        if self.kvpolicy.fixed_decode:  # a step that reads a prompt has host work after attention
+            forbid_full_graphs_while(self.model_runner, lambda: self.kvpolicy.prompt_in_step)
         for connector in worker_connectors():
             if isinstance(connector, KVPolicyConnector):
                 connector.bind_worker(self.kvpolicy)
@@ -81,6 +85,8 @@ class KVPolicyWorkerHooks:
         self.kvpolicy.forget(scheduler_output.preempted_req_ids)
         metadata = own_metadata(scheduler_output.kv_connector_metadata)
         self.kvpolicy.block_sharing = metadata.sharing if metadata is not None else {}
+        if self.kvpolicy.fixed_decode:
+            self.kvpolicy.prompt_in_step = prompt_rows_scheduled(scheduler_output, self.model_runner)
         diagnostics = self.kvpolicy.diagnostics
         if diagnostics is None:
             return super().execute_model(scheduler_output, *args, **kwargs)

@@ -28,6 +28,7 @@ vLLM's engine core is spawned and each run needs a clean plugin state.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -132,6 +133,46 @@ def _ops_name(worker):
     return _kvpolicy_state(worker).ops
 
 
+def _fixed_decode(worker):
+    """The fixed-shape decode steps by padded size, and the byte ranges of their buffers (None: not on)."""
+    fixed = getattr(_kvpolicy_state(worker).mode, "fixed", None)
+    if fixed is None:
+        return None
+    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in fixed.buffers()]
+    return dict(fixed.steps), ranges
+
+
+#: Kernel arguments that are the model's activations: a CUDA graph keeps them at addresses of its own.
+ACTIVATIONS = ("query_ptr", "out_ptr", "key_ptr", "value_ptr")
+
+
+def launch_arguments(kernel, args: tuple, grid) -> tuple:
+    """A launch as a graph would replay it: the grid, and each argument but the activations (tensors by
+    address)."""
+    names = inspect.signature(kernel.fn).parameters
+    return (
+        kernel.fn.__name__,
+        tuple(grid),
+        tuple(
+            (name, value.data_ptr() if hasattr(value, "data_ptr") else value)
+            for name, value in zip(names, args)
+            if name not in ACTIVATIONS
+        ),
+    )
+
+
+def fixed_decode_launches(calls: list[tuple], ranges: list[tuple[int, int]]) -> dict[str, list[int]]:
+    """Per kernel, of the launches that read a fixed-shape buffer: [launches, distinct argument lists]."""
+    summary: dict[str, list[int]] = {}
+    for name, grid, arguments in calls:
+        pointers = [value for _, value in arguments if isinstance(value, int)]
+        if any(start <= p < end for p in pointers for start, end in ranges):
+            summary.setdefault(name, [0, set()])
+            summary[name][0] += 1
+            summary[name][1].add((grid, arguments))
+    return {name: [count, len(distinct)] for name, (count, distinct) in summary.items()}
+
+
 def prompts(lengths=PROMPT_LENS, vocab_size: int = 49152, seed: int = 0) -> list[list[int]]:
     import torch
 
@@ -162,12 +203,14 @@ def record_kernel_launches() -> dict:
     phase: ``start`` until the engine is built, ``serve`` after (the caller switches ``phase``)."""
     import kvpolicy_triton
 
-    launches = {"phase": "start", "start": set(), "serve": set()}
+    launches = {"phase": "start", "start": set(), "serve": set(), "calls": []}
     for kernel in kvpolicy_triton.STEADY_KERNELS:
 
         def recording(*args, _kernel=kernel, _run=kernel.run, **kwargs):
             launch_kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
             launches[launches["phase"]].add(kvpolicy_triton.specialization(_kernel, args, launch_kwargs))
+            if launches["phase"] == "serve":
+                launches["calls"].append(launch_arguments(_kernel, args, kwargs["grid"]))
             return _run(*args, **kwargs)
 
         kernel.run = recording
@@ -241,6 +284,9 @@ def main() -> int:
         "--cuda-graphs", action="store_true", help="CUDA: let vLLM capture its graphs (no --enforce-eager)"
     )
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's asynchronous scheduler, on CPU too")
+    parser.add_argument(
+        "--fixed-decode", action="store_true", help="decode batches in the fixed shapes of CUDA graphs (Triton ops)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -255,6 +301,8 @@ def main() -> int:
         os.environ["KVPOLICY_OPS"] = args.ops
         if args.ops == "triton":
             os.environ["TRITON_INTERPRET"] = "1"
+    if args.fixed_decode:
+        os.environ["KVPOLICY_FIXED_DECODE"] = "1"
     if args.stock:
         os.environ["VLLM_PLUGINS"] = ""
     else:
@@ -371,6 +419,12 @@ def main() -> int:
         "block_bytes": block_bytes,
         "async_scheduling": bool(config.scheduler_config.async_scheduling),
     }
+    fixed = None if args.stock else llm.collective_rpc(_fixed_decode)[0]
+    if fixed is not None:
+        steps, ranges = fixed
+        summary["fixed_decode_steps"] = steps
+        if kernel_launches is not None:
+            summary["fixed_decode_launches"] = fixed_decode_launches(kernel_launches["calls"], ranges)
     if args.capture:
         import torch
 

@@ -40,20 +40,29 @@ def test_each_backend_keeps_its_platform_name_and_mixes_in_the_dispatch(backend,
     assert builder.__mro__[2] is backend.__mro__[1].get_builder_cls()
 
 
-def test_cuda_builder_gives_up_cuda_graphs_for_attention_only_while_a_policy_changes_it():
+def test_cuda_builder_keeps_full_graphs_for_decode_where_the_policy_can_and_none_for_attention_elsewhere():
     builder = cuda_backend.KVPolicyTritonBackend.get_builder_cls()
     stock = builder.__mro__[2].get_cudagraph_support(None, None)
+    model = SimpleNamespace(get_num_layers=lambda _: 32, get_num_kv_heads=lambda _: 8, max_model_len=5120)
 
-    def support(policy):
+    def support(policy, max_num_seqs=256):
         extra = (
             {}
             if policy is None
             else {KVPolicyConfig.ADDITIONAL_CONFIG_KEY: KVPolicyConfig(policy=policy, budget=256).to_dict()}
         )
-        return builder.get_cudagraph_support(SimpleNamespace(additional_config=extra), None)
+        config = SimpleNamespace(
+            additional_config=extra,
+            model_config=model,
+            parallel_config=None,
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        )
+        return builder.get_cudagraph_support(config, SimpleNamespace(block_size=16))
 
     assert support(None) == support("none") == stock
-    assert support("adasnap") == AttentionCGSupport.NEVER
+    assert support("adasnap") == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert support("keydiff") == support("omnikv") == AttentionCGSupport.NEVER, "host work in decode"
+    assert support("adasnap", max_num_seqs=4096) == AttentionCGSupport.NEVER, "buffers past 1 GiB"
 
 
 def test_on_cuda_a_policy_gets_vllms_triton_attention_and_v1_model_runner(on_cuda):

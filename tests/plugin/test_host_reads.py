@@ -138,7 +138,7 @@ class MetaEngine:
     """What the builders and paths see of vLLM: its runner (requests, the batch's block table), the KV
     caches (one buffer on ``meta``, each layer a contiguous slice), and each step's batch metadata."""
 
-    def __init__(self, config: KVPolicyConfig):
+    def __init__(self, config: KVPolicyConfig, ops: KVOps | None = None):
         blocks_per_layer = 128
         per_layer = blocks_per_layer * KV_HEADS * BLOCK * 2 * HEAD_SIZE
         buffer = torch.empty(LAYERS * per_layer, device=DEVICE)
@@ -149,7 +149,7 @@ class MetaEngine:
         self.runner = SimpleNamespace(kv_caches=caches, requests={}, input_batch=SimpleNamespace(req_ids=[]))
         self.worker = WorkerState.of(config, self.runner)
         self.mode = self.worker.mode = make_mode(self.worker)
-        self.ops = ops = DeviceOps()
+        self.ops = ops = ops or DeviceOps()
         shape = StepShape(LAYERS, KV_HEADS, GROUP, BLOCK, 4 * CONTEXT, ops.plan)
         self.builder = StepBuilder(self.worker, self.mode, make_path(self.mode, ops), ops, shape)
         self.tables: dict[str, list[int]] = {}
@@ -287,3 +287,34 @@ def test_a_decode_step_launches_a_bounded_number_of_kernels_per_layer_whatever_t
         engine.ops.launches = 0
         engine.step([(f"b{batch}-{i}", 1) for i in range(batch)])
         assert engine.ops.launches == LAUNCHES_PER_LAYER[policy] * LAYERS
+
+
+class FixedShapeDeviceOps(DeviceOps):
+    """``DeviceOps`` that keep the mode's page tables on the device as the Triton ops do (the fixed-shape
+    buffers copy the relocated rows' tables from there) and plan fixed-shape calls."""
+
+    def stage(self, step, tables=None):
+        per_head = getattr(step, "per_head", None)
+        if per_head is not None and tables is not None:
+            tables.stage(per_head.store, [], DEVICE)
+
+    def fixed_decode_plan(self, rows, max_seq_len, queries_per_kv, head_size, device):
+        return None
+
+
+def test_fixed_shape_decode_steps_read_nothing_back_and_launch_a_write_and_an_attention_a_layer():
+    """The decode steps a GPU replays in full CUDA graphs (``modes/fixed_decode.py``): relocated rows and a
+    row still in vLLM's layout, written into the buffers and run with one write and one attention call per
+    layer, reading nothing back."""
+    engine = MetaEngine(KVPolicyConfig(policy="adasnap", budget=BUDGET, window=8, page_pool="layer"),
+                        FixedShapeDeviceOps())  # fmt: skip
+    assert engine.mode.enable_fixed_decode(engine.ops, engine.builder.shape, 8, HEAD_SIZE, DEVICE)
+    for i in range(3):
+        engine.relocated(f"r{i}", BUDGET)
+    engine.add("short", BUDGET - 8, BUDGET - 8)  # a prompt under the budget decodes in vLLM's layout
+    decode = [*((f"r{i}", 1) for i in range(3)), ("short", 1)]
+    for _ in range(3):
+        engine.ops.launches = 0
+        assert engine.step(decode) == []
+        assert engine.ops.launches == 2 * LAYERS
+    assert engine.mode.fixed.steps == {4: 3}

@@ -216,6 +216,11 @@ class ModeState(ABC, Generic[R]):
     def build(self, batch: HostBatch, shape: StepShape) -> Step | None:
         """The step of a batch; None when every row takes the stock path."""
 
+    def enable_fixed_decode(self, ops: KVOps, shape: StepShape, max_rows: int, head_size: int, device) -> bool:
+        """Run decode batches of up to ``max_rows`` rows in fixed shapes (``fixed_decode.py``), for the
+        platform's full CUDA graphs; False: this mode's decode cannot (attention then stays outside graphs)."""
+        return False
+
     def stage(self, step: Step, ops: KVOps) -> None:
         """Hand a built step to the ops that will run it, with the device state the mode keeps for them."""
         ops.stage(step)

@@ -20,12 +20,14 @@ from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_sl
 from kvpolicy.policies import Policy, Schedule
 from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
 from kvpolicy.vllm.modes.carried import CarriedScores, CarriedState
+from kvpolicy.vllm.modes.fixed_decode import FixedDecode, refusal
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.ops.staging import TableMirror
 from kvpolicy.vllm.releases import BlockRelease
 from kvpolicy.vllm.state import WorkerState
 from kvpolicy.vllm.step import (
     AttentionBatch,
+    FixedDecodeStep,
     HeadRows,
     PerHeadBatch,
     RelocatingStep,
@@ -79,13 +81,23 @@ class Relocate(ModeState[RelocatedRequest]):
 
     store: PageStore | None = None
     scores: CarriedScores | None = None
+    #: The buffers of fixed-shape decode steps, when the platform runs decode in full CUDA graphs.
+    fixed: FixedDecode | None = None
 
     def __init__(self, worker: WorkerState):
         super().__init__(worker)
         self.device_tables = TableMirror()
 
-    def stage(self, step: RelocatingStep, ops: KVOps) -> None:
+    def enable_fixed_decode(self, ops: KVOps, shape: StepShape, max_rows: int, head_size: int, device) -> bool:
+        if self.pools_layers or refusal(self.policy, self.worker.config.offload is not None) is not None:
+            return False
+        self.fixed = FixedDecode(self, ops, shape, max_rows, head_size, device)
+        return True
+
+    def stage(self, step: RelocatingStep | FixedDecodeStep, ops: KVOps) -> None:
         ops.stage(step, self.device_tables)
+        if isinstance(step, FixedDecodeStep):
+            self.fixed.fill(step, self.device_tables)
 
     def new_request(self) -> RelocatedRequest:
         return RelocatedRequest()
@@ -187,6 +199,10 @@ class Relocate(ModeState[RelocatedRequest]):
                 index, pages = index[order], [pages[i] for i in order]
             draft.step.per_head = self._per_head_batch(index, pages, batch, shape)
         step = draft.step
+        if self.fixed is not None:  # a decode batch runs in fixed shapes (vLLM may replay a full graph)
+            fixed = self.fixed.step_of(step, batch)
+            if fixed is not None:
+                return fixed
         if draft.per_head_rows or draft.summed_rows:
             step.stock = shape.stock_batch(batch, draft.per_head_rows + draft.summed_rows)
             step.platform_layout_tokens = torch.cat([step.stock.token_idx, *(c.token_idx for c in step.summed)])

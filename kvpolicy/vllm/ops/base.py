@@ -44,6 +44,12 @@ class KVOps(ABC):
         cache is now, in one copy, rather than layer by layer (``ops/staging.py``); ``tables``: the mode's
         device copy of its page tables, brought up to date with the step's."""
 
+    def fixed_decode_plan(self, rows: int, max_seq_len: int, queries_per_kv: int, head_size: int, device) -> Any:
+        """The plan of a fixed-shape decode call (``modes/fixed_decode.py``): ``rows`` one-token one-head
+        sequences, each at most ``max_seq_len`` long, launched with the same grid and the same memory at
+        every step, whatever the lengths (what a CUDA graph replays)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run fixed-shape decode calls")
+
     def warm_up(self, layer, cache) -> None:  # noqa: B027 (a hook: ops that compile nothing have nothing to warm)
         """Once, before the first request: compile every variant of every kernel the ops can launch, over a
         few tokens of ``layer``'s ``cache``, so that none compiles in the middle of a run."""

@@ -21,8 +21,10 @@ from kvpolicy.vllm.ops.staging import StagedStep, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
     MIN_SPLIT_KEYS,
+    TARGET_PROGRAMS,
     PageGeometry,
     context_attention,
+    decode_workspace,
     gather_tokens,
     gather_values,
     move_tokens,
@@ -38,7 +40,9 @@ from kvpolicy_triton import (
 class VirtualSequences:
     """A call's one-head virtual sequences: the most tokens one of them brings (it sizes the kernel's
     grid), and, for rows in vLLM's layout (``kv_heads > 1``), their expansion into one sequence per
-    (row, head): ``local_token`` indexes the call's own tokens (``AttentionBatch.token_idx``)."""
+    (row, head): ``local_token`` indexes the call's own tokens (``AttentionBatch.token_idx``).
+    A fixed-shape decode call (``TritonOps.fixed_decode_plan``) also fixes the longest sequence the grid
+    is sized for and the split decode's ``workspace``, so its launches do not depend on the step."""
 
     max_query_len: int
     local_token: torch.Tensor | None = None
@@ -46,6 +50,8 @@ class VirtualSequences:
     query_start_loc: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     page_table: torch.Tensor | None = None
+    max_seq_len: int | None = None
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _max_query_len(query_start_loc: torch.Tensor) -> int:
@@ -161,6 +167,8 @@ class TritonOps(KVOps):
         self.layer_calls: LayerCalls | None = None
         #: The side stream that loads OmniKV's selected pages from the host pool (made at its first load).
         self._copy_stream = None
+        #: Where fixed-shape split decodes keep their partial states (``fixed_decode_plan``).
+        self._workspace = None
 
     @staticmethod
     def check_impl(impl) -> None:
@@ -235,6 +243,12 @@ class TritonOps(KVOps):
             logits, scale, heads,
         )  # fmt: skip
 
+    def fixed_decode_plan(self, rows, max_seq_len, queries_per_kv, head_size, device):
+        # One workspace for every padded size: the graphs replay one after another on one stream.
+        if self._workspace is None:
+            self._workspace = decode_workspace(TARGET_PROGRAMS, queries_per_kv, head_size, device)
+        return VirtualSequences(max_query_len=1, max_seq_len=max_seq_len, workspace=self._workspace)
+
     def plan(self, query_start_loc, seq_lens, block_table, kv_heads, queries_per_kv):
         if kv_heads == 1 and self._heads_plan[0] is query_start_loc:
             return self._heads_plan[1]  # every layer's per-head call in a step: one query layout, one plan
@@ -268,7 +282,7 @@ class TritonOps(KVOps):
             else:
                 token_of, head_of = rows.token_of, rows.head_of
             indices = self._on(cache.device, token_of, head_of, qsl, seq_lens, table)
-            longest = int(seq_lens.max())
+            longest = virtual.max_seq_len or int(seq_lens.max())
         impl = layer.impl
         paged_attention(
             query,
@@ -280,6 +294,7 @@ class TritonOps(KVOps):
             impl.num_kv_heads,
             virtual.max_query_len,
             longest,
+            virtual.workspace,
         )
 
     def copy_pages(self, source, target, copies):

@@ -1,0 +1,191 @@
+"""Decode steps in fixed shapes, for vLLM's full CUDA graphs.
+
+vLLM replays a full CUDA graph for a batch whose every row brings one token,
+picked by the batch's padded size alone before any metadata exists; the
+replay launches what the capture launched, with the same arguments. So such
+a step runs every row, relocated or not, as ``H`` one-head sequences (a row
+still in vLLM's layout as its head ``h`` over pages ``block*H + h``), through
+one write and one attention call per layer whose index tensors are views of
+persistent buffers at fixed offsets, and whose grid is sized for the longest
+sequence the model allows (``max_model_len``), not this step's. The builder
+writes each step into those buffers before the model runs (the step's one
+staged copy, then a few device copies); padded rows are length 0 with no
+slot. Only a policy whose decode has no host work after attention qualifies
+(``refusal``), and a step that relocates a prompt or stashes window
+queries never comes here: vLLM is told not to replay a full graph for a step
+with prompt rows (``internals.forbid_full_graphs_while``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+
+from kvpolicy.policies import Mode, Policy
+from kvpolicy.vllm.modes.base import HostBatch, ModePath, StepShape
+from kvpolicy.vllm.ops import KVOps
+from kvpolicy.vllm.ops.staging import TableMirror
+from kvpolicy.vllm.step import (
+    AttentionBatch,
+    FixedDecodeInputs,
+    FixedDecodeStep,
+    HeadRows,
+    PlatformAttend,
+    PlatformWrite,
+    RelocatingStep,
+)
+
+#: The most the fixed-shape buffers may take on the device; past it, attention stays outside graphs.
+MAX_BUFFER_BYTES = 1 << 30
+
+
+def refusal(policy: type[Policy] | Policy, offload: bool) -> str | None:
+    """Why a policy's decode steps cannot run in fixed shapes (None: they can)."""
+    if policy.mode is not Mode.RELOCATE:
+        return f"{policy.name}'s decode runs on its own path ({policy.mode.traits.name})"
+    if policy.schedule.in_decode:
+        return f"{policy.name} evicts in decode (host work after attention when a page fills)"
+    if policy.inputs.attention:
+        return f"{policy.name} adds each new token's attention to its scores"
+    if offload:
+        return "an offloaded request's layers load from the host pool"
+    return None
+
+
+def buffer_bytes(num_layers: int, kv_heads: int, rows: int, max_model_len: int, block_size: int) -> int:
+    """The device memory of ``FixedDecode``'s buffers: per layer and one-head sequence, a page table
+    ``max_model_len / block_size`` wide, a length and a slot."""
+    width = -(-max_model_len // block_size)
+    return num_layers * rows * kv_heads * (4 * width + 4 + 8)
+
+
+class FixedDecodeCalls:
+    """One padded batch size's calls: views of the buffers, made once (not a dataclass: the staging of a
+    step searches dataclasses for host tensors, and these are the device's own)."""
+
+    def __init__(self, rows: HeadRows, layers: list[AttentionBatch], slots: torch.Tensor):
+        self.rows = rows
+        self.layers = layers
+        self.slots = slots
+
+
+class FixedDecodePath(ModePath):
+    """Runs a ``FixedDecodeStep`` in each layer: one write and one attention call over the buffers."""
+
+    def write(self, layer, key, value, kv_cache, step: FixedDecodeStep, platform_write: PlatformWrite) -> None:
+        calls = step.calls
+        cache = self.mode.relocated_cache(kv_cache)
+        self.ops.write(layer, cache, key, value, calls.rows, calls.slots[self.layer_index(layer)])
+
+    def attend(self, layer, query, out, kv_cache, step: FixedDecodeStep, platform_attend: PlatformAttend) -> None:
+        calls = step.calls
+        cache = self.mode.relocated_cache(kv_cache)
+        self.ops.attend(layer, query, out, cache, calls.layers[self.layer_index(layer)], calls.rows)
+
+
+class FixedDecode:
+    """A relocating mode's device state for fixed-shape decode steps: the buffers, sized for ``max_rows``
+    rows of ``H`` one-head sequences in every layer, and the calls of each padded size over them."""
+
+    def __init__(self, mode, ops: KVOps, shape: StepShape, max_rows: int, head_size: int, device):
+        heads, layers = shape.num_kv_heads, shape.num_layers
+        self.shape, self.ops, self.head_size = shape, ops, head_size
+        self.max_rows = max_rows
+        sequences = max_rows * heads
+        virtual = torch.arange(sequences, device=device)
+        self.token_of, self.head_of = virtual // heads, virtual % heads
+        self.query_start_loc = torch.arange(sequences + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(layers, sequences, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(layers, sequences, shape.num_blocks(shape.max_model_len), dtype=torch.int32,
+                                  device=device)  # fmt: skip
+        self.slots = torch.full((layers, sequences), -1, dtype=torch.int64, device=device)
+        self.path = FixedDecodePath(mode, ops)
+        self._calls: dict[int, FixedDecodeCalls] = {}
+        self.steps: Counter[int] = Counter()  # padded rows -> fixed-shape steps built, for tests and logs
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer a fixed-shape call reads its indices from (for tests that watch the launches)."""
+        return [self.token_of, self.head_of, self.query_start_loc, self.seq_lens, self.tables, self.slots]
+
+    def calls(self, rows: int) -> FixedDecodeCalls:
+        """The calls of a batch padded to ``rows`` rows: the same views, plan and workspace at every step."""
+        known = self._calls.get(rows)
+        if known is None:
+            n = rows * self.shape.num_kv_heads
+            device = self.seq_lens.device
+            plan = self.ops.fixed_decode_plan(n, self.shape.max_model_len, self.shape.queries_per_kv,
+                                              self.head_size, device)  # fmt: skip
+            token_idx, qsl = torch.arange(rows), self.query_start_loc[: n + 1]
+            layers = [
+                AttentionBatch(token_idx, qsl, lens[:n], table[:n], 1, plan)
+                for lens, table in zip(self.seq_lens, self.tables)
+            ]
+            rows_of = HeadRows(self.token_of[:n], self.head_of[:n], whole_batch=True)
+            known = self._calls[rows] = FixedDecodeCalls(rows_of, layers, self.slots[:, :n])
+        return known
+
+    def step_of(self, built: RelocatingStep, batch: HostBatch) -> FixedDecodeStep | None:
+        """The fixed-shape form of a built step whose every row brings one token (padded rows none), or
+        None: a step with prompt work, or more rows than the buffers hold."""
+        rows, real = batch.num_reqs, len(batch.req_ids)
+        if rows > self.max_rows or built.relocations or built.window_stash or built.summed:
+            return None
+        qsl = batch.query_start_loc[: rows + 1]
+        if (np.diff(qsl[: real + 1]) != 1).any() or (qsl[real:] != real).any():
+            return None
+        shape = self.shape
+        heads, layers, block_size = shape.num_kv_heads, shape.num_layers, shape.block_size
+        per_head = built.per_head
+        seq_lens = np.zeros((layers, rows * heads), dtype=np.int32)
+        slots = np.full((layers, rows * heads), -1, dtype=np.int64)
+        head = np.arange(heads)
+        relocated = np.zeros(0, dtype=np.int64)
+        is_stock = np.ones(real, dtype=bool)
+        if per_head is not None:
+            relocated_rows = per_head.token_idx.numpy()  # one token per row: its token is its row
+            is_stock[relocated_rows] = False
+            relocated = (relocated_rows[:, None] * heads + head).reshape(-1)
+            seq_lens[:, relocated] = per_head.seq_lens.numpy()
+            slots[:, relocated] = per_head.slots.numpy()
+        stock_rows = np.flatnonzero(is_stock)
+        stock = (stock_rows[:, None] * heads + head).reshape(-1)
+        lengths = batch.seq_lens.numpy()[stock_rows].astype(np.int64)
+        blocks = batch.block_table.numpy()[stock_rows].astype(np.int64)
+        seq_lens[:, stock] = np.repeat(lengths, heads)
+        last = lengths - 1
+        last_block = blocks[np.arange(len(stock_rows)), last // block_size]
+        slots[:, stock] = (((last_block * heads)[:, None] + head) * block_size + (last % block_size)[:, None]).reshape(
+            -1
+        )
+        width = int(shape.num_blocks(lengths.max())) if len(stock_rows) else 0
+        stock_tables = ((blocks[:, None, :width] * heads) + head[None, :, None]).reshape(len(stock), width)
+        inputs = FixedDecodeInputs(
+            *(torch.from_numpy(a) for a in (seq_lens, slots, relocated, stock)),
+            torch.from_numpy(stock_tables.astype(np.int32)),
+        )
+        step = FixedDecodeStep(inputs, per_head, self.calls(rows))
+        step.path = self.path
+        self.steps[rows] += 1
+        return step
+
+    def fill(self, step: FixedDecodeStep, tables: TableMirror) -> None:
+        """Write a staged step into the buffers (device copies, outside any graph): lengths and slots whole,
+        the relocated rows' page tables from the mirror of the mode's tables, the stock rows' from theirs."""
+        inputs, device = step.inputs, self.seq_lens.device
+        n = step.calls.slots.shape[1]
+        seq_lens, slots, relocated, stock, stock_tables = (
+            self.ops.on_device(t, device)
+            for t in (inputs.seq_lens, inputs.slots, inputs.relocated, inputs.stock, inputs.stock_tables)
+        )
+        self.seq_lens[:, :n].copy_(seq_lens)
+        self.slots[:, :n].copy_(slots)
+        if inputs.relocated.numel():
+            mirror = tables.tables.view(self.shape.num_layers, -1, tables.tables.shape[-1])
+            width = min(mirror.shape[-1], self.tables.shape[-1])
+            self.tables[:, :, :width].index_copy_(1, relocated, mirror[:, : relocated.numel(), :width])
+        if inputs.stock.numel():
+            width = inputs.stock_tables.shape[1]
+            source = stock_tables.expand(self.shape.num_layers, -1, -1)
+            self.tables[:, :, :width].index_copy_(1, stock, source)

@@ -1,0 +1,56 @@
+"""Decode batches in the fixed shapes of a full CUDA graph, run end to end on CPU.
+
+On a GPU, vLLM replays a captured graph for a decode batch: the launches of
+the capture, with their arguments. Here the Triton ops run interpreted
+(``KVPOLICY_OPS=triton``) and ``KVPOLICY_FIXED_DECODE=1`` makes the CPU
+backend build decode batches as it does for those graphs
+(``kvpolicy/vllm/modes/fixed_decode.py``): every row as one-head sequences
+over persistent buffers, relocated rows and rows still in vLLM's layout (the
+60-token prompt is under the budget) in one call. The same requests must give
+the same tokens as the per-head path, and every launch that reads the buffers
+must repeat, argument for argument, from step to step: one argument list per
+layer and padded batch size, however many steps ran (the model's activations
+aside, which a graph keeps at addresses of its own).
+"""
+
+import pytest
+
+from kvpolicy.offline.model import prepare_tiny
+from tests.e2e.test_ops_in_engine import LOGPROB_TOLERANCE
+
+RUN = ("--prompt-lens", "60", "200", "129", "--max-tokens", "12", "--chunk", "64", "--ops", "triton")
+POLICIES = {"identity": ("--policy", "identity"), "adasnap": ("--policy", "adasnap", "--budget", "64")}
+LAYERS = 3
+#: Kernels whose every argument list differs by layer; the split decode's merge reads no layer's buffers.
+PER_LAYER = ("_paged_attention_kernel", "_write_slots_kernel")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return prepare_tiny(num_layers=LAYERS, num_heads=4, num_kv_heads=2, head_size=32)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fixed_shape_decode_gives_the_per_head_paths_tokens_with_the_same_launches_each_step(
+    engine_run, tiny_model, policy
+):
+    args = (*POLICIES[policy], *RUN, "--page-pool", "layer")
+    per_head = engine_run(*args, model=tiny_model)
+    fixed = engine_run(*args, "--fixed-decode", model=tiny_model)
+    assert "fixed_decode_steps" not in per_head
+    steps = fixed["fixed_decode_steps"]
+    assert sum(steps.values()) >= 10, f"decode batches ran in fixed shapes: {steps}"
+    for i, (a, b) in enumerate(zip(per_head["requests"], fixed["requests"], strict=True)):
+        assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
+        for step, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"], strict=True)):
+            assert x.keys() == y.keys(), f"request {i}, step {step}: top tokens differ"
+            worst = max(abs(x[t] - y[t]) for t in x)
+            assert worst <= LOGPROB_TOLERANCE, f"request {i}, step {step}: logprobs differ by {worst}"
+    assert fixed["counters"] == per_head["counters"], "the same requests were relocated and released"
+    assert fixed["kv_cache_usage_end"] == 0.0
+    launches = fixed["fixed_decode_launches"]
+    for kernel in PER_LAYER:
+        count, distinct = launches[kernel]
+        assert count == LAYERS * sum(steps.values()), f"{kernel}: one launch per layer and step"
+        assert distinct == LAYERS * len(steps), f"{kernel}: {distinct} argument lists over {len(steps)} sizes"
