@@ -19,9 +19,12 @@ Shape: Llama-3.1-8B (32 layers, 32 query heads over 8 KV heads, head size
 context compressed to ``adasnap``'s budget of 1,024 tokens per KV head on
 average, with Ada-KV's uneven per-head lengths (each head keeps between half
 and twice the budget; every layer's heads add up to the layer's budget).
-Two steps per batch size B: B decoding requests; and one 2,048-token prompt
-chunk (the first half of a new 4K prompt, read on the stock rows) beside B
-decodes. The batch's block table is one persistent tensor, as vLLM's
+Three steps per batch size B: B decoding requests; the same in the fixed
+shapes of full CUDA graphs (``modes/fixed_decode.py``), where only the builder
+runs on the host (a GPU replays the layers from the graph, so their Python
+glue is not timed, and the builder's copies into the buffers are device work,
+stubbed and counted as launches); and one 2,048-token prompt chunk (the first
+half of a new 4K prompt, read on the stock rows) beside B decodes. The batch's block table is one persistent tensor, as vLLM's
 ``BlockTable`` is: a row is written when a request joins the batch, not
 rebuilt before every step (rebuilding it from Python lists, as this benchmark
 did until 2026-11-27, evicted the caches the timed step then read: the same
@@ -60,9 +63,10 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packa
 import kvpolicy.vllm.ops.triton as triton_ops  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from kvpolicy.config import KVPolicyConfig  # noqa: E402
-from kvpolicy.vllm.modes import StepShape, make_mode, make_path  # noqa: E402
+from kvpolicy.vllm.modes import StepShape, fixed_decode, make_mode, make_path  # noqa: E402
 from kvpolicy.vllm.ops import staging  # noqa: E402
 from kvpolicy.vllm.state import WorkerState  # noqa: E402
+from kvpolicy.vllm.step import FixedDecodeStep  # noqa: E402
 from kvpolicy.vllm.step_builder import StepBuilder  # noqa: E402
 
 SHAPE = {"num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16}
@@ -76,6 +80,9 @@ PRESETS = {
 #: batch 256, and kvpolicy's kernel launches per layer (the write of the new K/V and the attention).
 HOST_MS_BOUND_AT_256 = 1.0
 LAUNCHES_PER_LAYER_BOUND = 2
+#: A decode step in fixed shapes launches nothing per layer outside its graph: the builder's copies into the
+#: buffers (lengths, slots, two page-table sources) and the page tables' update, whatever the layer count.
+FIXED_LAUNCHES_BOUND = 6
 COLUMNS = [
     "step",
     "batch",
@@ -141,18 +148,31 @@ def counted(kernel):
 KERNELS = ("paged_attention", "write_slots", "move_tokens", "scatter_tokens", "gather_tokens", "new_token_weights")
 
 
+def counted_buffer_writes(seq_lens, slots, tables, step_lens, step_slots, relocated, stock, *_) -> None:
+    """``fixed_decode.write_buffers``'s device operations: two copies and one per page-table source."""
+    LAUNCHES["kernels"] += 2 + bool(relocated.numel()) + bool(stock.numel())
+
+
+def counted_table_updates(tables, rows, contents, flat, values) -> None:
+    """``staging.update_tables``'s device operations: the rows rewritten, the entries set."""
+    LAUNCHES["kernels"] += bool(rows.numel()) + bool(flat.numel())
+
+
 @contextmanager
 def launches_counted():
     """The stubbed kernels count their launches in ``LAUNCHES``: for steps that are not timed, so the
     counting is not part of the host time measured."""
     saved = {name: getattr(triton_ops, name) for name in KERNELS}
+    saved_writes, saved_updates = fixed_decode.write_buffers, staging.update_tables
     for name, stub in saved.items():
         setattr(triton_ops, name, counted(stub))
+    fixed_decode.write_buffers, staging.update_tables = counted_buffer_writes, counted_table_updates
     try:
         yield
     finally:
         for name, stub in saved.items():
             setattr(triton_ops, name, stub)
+        fixed_decode.write_buffers, staging.update_tables = saved_writes, saved_updates
 
 
 @contextmanager
@@ -176,17 +196,18 @@ def kernels_stubbed():
         "new_token_weights": weights,
     }
     saved = {name: getattr(triton_ops, name) for name in [*stubs, "cache_geometry"]}
-    saved_update = staging.update_tables
+    saved_update, saved_writes = staging.update_tables, fixed_decode.write_buffers
     for name, stub in stubs.items():
         setattr(triton_ops, name, stub)
     triton_ops.cache_geometry = lambda layer, cache: None
-    staging.update_tables = lambda *args: None  # scatters into the device's page tables: device work on a GPU
+    # Scatters into the device's page tables and copies into the fixed-shape buffers: device work on a GPU.
+    staging.update_tables = fixed_decode.write_buffers = lambda *args: None
     try:
         yield
     finally:
         for name, real in saved.items():
             setattr(triton_ops, name, real)
-        staging.update_tables = saved_update
+        staging.update_tables, fixed_decode.write_buffers = saved_update, saved_writes
 
 
 def uneven_head_lengths(rng: np.random.Generator, layers: int, heads: int, budget: int) -> np.ndarray:
@@ -206,7 +227,7 @@ class SyntheticEngine:
     """What the CUDA backend sees of vLLM: the runner's requests, the per-layer caches (one block each: the
     stubbed kernels never read them; page pools per layer, as on CUDA), and each step's ``CommonAttentionMetadata``."""
 
-    def __init__(self, policy: str, budget: int):
+    def __init__(self, policy: str, budget: int, fixed: bool = False):
         # The previous case's engine is garbage in reference cycles (a page store's rows point back at it):
         # freed here, or Python's collector frees its hundreds of MB inside this case's timed steps.
         gc.collect()
@@ -236,6 +257,8 @@ class SyntheticEngine:
         )
         mode = self.worker.mode
         self.builder = StepBuilder(self.worker, mode, make_path(mode, self.ops), self.ops, shape)
+        if fixed:  # decode batches in the fixed shapes of full CUDA graphs, up to the largest batch measured
+            assert mode.enable_fixed_decode(self.ops, shape, max(PRESETS["full"]["batches"]), SHAPE["head_size"], "cpu")
         self.rng = np.random.default_rng(0)
 
     def add_request(self, req_id: str, computed: int, compressed: bool) -> None:
@@ -301,9 +324,10 @@ class SyntheticEngine:
         start = time.perf_counter()
         step = self.builder.build(cam)  # staged, as the backends' metadata builders do
         built = time.perf_counter()
-        for layer in self.layers:  # as ``KVPolicyAttention`` runs a step; vLLM's own calls left out
-            step.write(layer, key, key, cache, platform_nothing)
-            step.attend(layer, query, out, cache, platform_nothing)
+        # A fixed-shape step's layers are a graph's replay on a GPU: their Python does not run.
+        for layer in [] if isinstance(step, FixedDecodeStep) else self.layers:
+            step.write(layer, key, key, cache, platform_nothing)  # as ``KVPolicyAttention`` runs a step
+            step.attend(layer, query, out, cache, platform_nothing)  # vLLM's own calls left out
         done = time.perf_counter()
         self.worker.releases.clear()
         return built - start, done - built
@@ -313,8 +337,8 @@ def platform_nothing(*_) -> None:
     """vLLM's own write and attention, left out of what is timed."""
 
 
-def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
-    engine = SyntheticEngine(policy, BUDGET)
+def measure(batch: int, steps: int, mixed: bool, policy: str, fixed: bool = False) -> dict:
+    engine = SyntheticEngine(policy, BUDGET, fixed)
     decoding = [f"decode-{i}" for i in range(batch)]
     for req_id in decoding:
         engine.add_request(req_id, CONTEXT, compressed=True)
@@ -349,12 +373,14 @@ def measure(batch: int, steps: int, mixed: bool, policy: str) -> dict:
     per_step = {key: value // steps for key, value in traffic.counts.items()}
     within = per_step.get("d2h_copies", 0) == 0
     if not mixed:  # a decode step: the launch bound, and the time bound at batch 256
-        within &= max(launches) <= LAUNCHES_PER_LAYER_BOUND * SHAPE["num_layers"]
+        within &= max(launches) <= (FIXED_LAUNCHES_BOUND if fixed else LAUNCHES_PER_LAYER_BOUND * SHAPE["num_layers"])
         within &= batch != 256 or build_ms + layers_ms <= HOST_MS_BOUND_AT_256
+    step = f"{batch} decodes + {CHUNK}-token chunk" if mixed else f"{batch} decodes"
     return {
-        "step": f"{batch} decodes + {CHUNK}-token chunk" if mixed else f"{batch} decodes",
+        "step": f"{step}, fixed shapes (layers in a graph)" if fixed else step,
         "batch": batch,
         "mixed": mixed,
+        "fixed": fixed,
         "build_ms": build_ms,
         "layers_ms": layers_ms,
         "host_ms": build_ms + layers_ms,
@@ -397,8 +423,15 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for mixed, label in ((False, "decode step"), (True, f"decodes + {CHUNK}-token chunk")):
-        series = [r for r in rows if r["mixed"] == mixed and r["host_ms_per_row"] is not None]
+    kinds = (
+        (False, False, "decode step"),
+        (False, True, "decode step, fixed shapes"),
+        (True, False, f"decodes + {CHUNK}-token chunk"),
+    )
+    for mixed, fixed, label in kinds:
+        series = [
+            r for r in rows if r["mixed"] == mixed and r.get("fixed") == fixed and r["host_ms_per_row"] is not None
+        ]
         batches = [r["batch"] for r in series]
         axes[0].plot(batches, [r["host_ms"] for r in series], marker="o", label=label)
         axes[1].plot(batches, [r["h2d_copies"] for r in series], marker="o", label=label)
@@ -423,11 +456,11 @@ def main() -> int:
     preset = PRESETS["quick" if args.quick else "full"]
     out = args.out or RESULTS_DIR / ("host_overhead_quick.json" if args.quick else "host_overhead.json")
     torch.set_num_threads(1)  # the host side of a step is one Python thread
-    cases = [(batch, mixed) for batch in preset["batches"] for mixed in (False, True)]
+    cases = [(batch, mixed, fixed) for batch in preset["batches"] for mixed, fixed in ((0, 0), (0, 1), (1, 0))]
     rows = []
     with kernels_stubbed():
-        for batch, mixed in tqdm(cases, desc="steps"):
-            rows.append(measure(batch, preset["steps"], mixed, args.policy))
+        for batch, mixed, fixed in tqdm(cases, desc="steps"):
+            rows.append(measure(batch, preset["steps"], bool(mixed), args.policy, bool(fixed)))
         rows.append(measure_prompt(args.policy))
     settings = {
         "shape": SHAPE,

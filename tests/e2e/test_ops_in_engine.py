@@ -39,6 +39,16 @@ OTHER_OPS = {"triton": (("--ops", "triton"), "TritonOps"), "torch-paths": (("--t
 LOGPROB_TOLERANCE = 1e-3  # fp32 model and cache; the kernels sum in another order than vLLM's CPU attention
 
 
+def assert_same_tokens(run: dict, other: dict, tolerance: float = LOGPROB_TOLERANCE) -> None:
+    """Two engine runs of the same requests: the same tokens, the same top tokens, logprobs within ``tolerance``."""
+    for i, (a, b) in enumerate(zip(run["requests"], other["requests"], strict=True)):
+        assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
+        for step, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"], strict=True)):
+            assert x.keys() == y.keys(), f"request {i}, step {step}: top tokens differ"
+            worst = max(abs(x[t] - y[t]) for t in x)
+            assert worst <= tolerance, f"request {i}, step {step}: logprobs differ by {worst}"
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     return prepare_tiny(num_layers=3, num_heads=4, num_kv_heads=2, head_size=32)
@@ -62,12 +72,7 @@ def test_other_ops_in_the_engine_agree_with_the_cpu_ops(engine_run, tiny_model, 
     assert (cpu["ops"], other["ops"]) == ("CPUOps", ops_class)
     if policy == "pod":
         assert cpu["counters"]["pod_layouts"] > 0, "a prompt was laid out and decoded on the sharing path"
-    for i, (a, b) in enumerate(zip(cpu["requests"], other["requests"], strict=True)):
-        assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
-        for step, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"], strict=True)):
-            assert x.keys() == y.keys(), f"request {i}, step {step}: top tokens differ"
-            worst = max(abs(x[t] - y[t]) for t in x)
-            assert worst <= LOGPROB_TOLERANCE, f"request {i}, step {step}: logprobs differ by {worst}"
+    assert_same_tokens(cpu, other)
     assert other["counters"] == cpu["counters"], "the same requests were relocated, compressed and released"
     assert other["kv_cache_usage_end"] == 0.0, "every block is free again after the run"
 

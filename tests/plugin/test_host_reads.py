@@ -30,6 +30,7 @@ from kvpolicy.config import KVPolicyConfig
 from kvpolicy.vllm.modes import StepShape, make_mode, make_path
 from kvpolicy.vllm.ops import KVOps
 from kvpolicy.vllm.state import WorkerState
+from kvpolicy.vllm.step import FixedDecodeStep
 from kvpolicy.vllm.step_builder import StepBuilder
 
 LAYERS, KV_HEADS, GROUP, HEAD_SIZE, BLOCK = 4, 2, 2, 16, 16
@@ -318,3 +319,20 @@ def test_fixed_shape_decode_steps_read_nothing_back_and_launch_a_write_and_an_at
         assert engine.step(decode) == []
         assert engine.ops.launches == 2 * LAYERS
     assert engine.mode.fixed.steps == {4: 3}
+
+
+def test_a_capture_batch_without_requests_runs_in_fixed_shapes():
+    """vLLM captures a decode graph over a dummy batch: rows with one token each and no request. They are
+    padding (length 0, no slot), and the step is the fixed-shape one every replay of that size will run."""
+    engine = MetaEngine(KVPolicyConfig(policy="snapkv", budget=BUDGET, page_pool="layer"), FixedShapeDeviceOps())
+    assert engine.mode.enable_fixed_decode(engine.ops, engine.builder.shape, 8, HEAD_SIZE, DEVICE)
+    block_table = torch.zeros(4, 16, dtype=torch.int32)
+    engine.runner.input_batch.block_table = [SimpleNamespace(get_cpu_tensor=lambda: block_table)]
+    cam = SimpleNamespace(
+        num_reqs=4, query_start_loc_cpu=torch.arange(5, dtype=torch.int32), seq_lens_cpu_upper_bound=torch.ones(4)
+    )
+    with HostReads() as shim:
+        step = engine.builder.build(cam)
+    assert shim.records == []
+    assert isinstance(step, FixedDecodeStep) and step.inputs.stock.numel() == 0
+    assert (step.inputs.seq_lens == 0).all() and (step.inputs.slots == -1).all()

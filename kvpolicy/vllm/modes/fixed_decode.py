@@ -127,13 +127,13 @@ class FixedDecode:
         return known
 
     def step_of(self, built: RelocatingStep, batch: HostBatch) -> FixedDecodeStep | None:
-        """The fixed-shape form of a built step whose every row brings one token (padded rows none), or
-        None: a step with prompt work, or more rows than the buffers hold."""
+        """The fixed-shape form of a built step whose every request brings one token, or None: a step with
+        prompt work, or more rows than the buffers hold. Rows past the batch's requests are padding, with
+        no token (a replay's) or one (a capture's dummy batch): length 0, no slot."""
         rows, real = batch.num_reqs, len(batch.req_ids)
         if rows > self.max_rows or built.relocations or built.window_stash or built.summed:
             return None
-        qsl = batch.query_start_loc[: rows + 1]
-        if (np.diff(qsl[: real + 1]) != 1).any() or (qsl[real:] != real).any():
+        if (np.diff(batch.query_start_loc[: real + 1]) != 1).any():
             return None
         shape = self.shape
         heads, layers, block_size = shape.num_kv_heads, shape.num_layers, shape.block_size
@@ -154,11 +154,9 @@ class FixedDecode:
         lengths = batch.seq_lens.numpy()[stock_rows].astype(np.int64)
         blocks = batch.block_table.numpy()[stock_rows].astype(np.int64)
         seq_lens[:, stock] = np.repeat(lengths, heads)
-        last = lengths - 1
-        last_block = blocks[np.arange(len(stock_rows)), last // block_size]
-        slots[:, stock] = (((last_block * heads)[:, None] + head) * block_size + (last % block_size)[:, None]).reshape(
-            -1
-        )
+        last = lengths - 1  # the new token's position
+        last_page = blocks[np.arange(len(stock_rows)), last // block_size][:, None] * heads + head
+        slots[:, stock] = (last_page * block_size + (last % block_size)[:, None]).reshape(-1)
         width = int(shape.num_blocks(lengths.max())) if len(stock_rows) else 0
         stock_tables = ((blocks[:, None, :width] * heads) + head[None, :, None]).reshape(len(stock), width)
         inputs = FixedDecodeInputs(
@@ -174,18 +172,29 @@ class FixedDecode:
         """Write a staged step into the buffers (device copies, outside any graph): lengths and slots whole,
         the relocated rows' page tables from the mirror of the mode's tables, the stock rows' from theirs."""
         inputs, device = step.inputs, self.seq_lens.device
-        n = step.calls.slots.shape[1]
-        seq_lens, slots, relocated, stock, stock_tables = (
+        on_device = [
             self.ops.on_device(t, device)
             for t in (inputs.seq_lens, inputs.slots, inputs.relocated, inputs.stock, inputs.stock_tables)
-        )
-        self.seq_lens[:, :n].copy_(seq_lens)
-        self.slots[:, :n].copy_(slots)
+        ]
+        mirror = None
         if inputs.relocated.numel():
             mirror = tables.tables.view(self.shape.num_layers, -1, tables.tables.shape[-1])
-            width = min(mirror.shape[-1], self.tables.shape[-1])
-            self.tables[:, :, :width].index_copy_(1, relocated, mirror[:, : relocated.numel(), :width])
-        if inputs.stock.numel():
-            width = inputs.stock_tables.shape[1]
-            source = stock_tables.expand(self.shape.num_layers, -1, -1)
-            self.tables[:, :, :width].index_copy_(1, stock, source)
+        write_buffers(self.seq_lens, self.slots, self.tables, *on_device, mirror)
+
+
+def write_buffers(
+    seq_lens, slots, tables, step_lens, step_slots, relocated, stock, stock_tables, relocated_tables
+) -> None:
+    """The device's work of ``FixedDecode.fill`` (a function of its own, as ``staging.update_tables`` is, for
+    the host-time benchmark to leave out): the step's lengths and slots [layers, n] into the buffers' first
+    ``n`` sequences; then the page tables, the relocated sequences' from ``relocated_tables`` [layers,
+    sequences, pages] (the mode's mirror, those rows first), the stock ones' the same in every layer."""
+    n = step_lens.shape[1]
+    seq_lens[:, :n].copy_(step_lens)
+    slots[:, :n].copy_(step_slots)
+    if relocated.numel():
+        width = min(relocated_tables.shape[-1], tables.shape[-1])
+        tables[:, :, :width].index_copy_(1, relocated, relocated_tables[:, : relocated.numel(), :width])
+    if stock.numel():
+        width = stock_tables.shape[1]
+        tables[:, :, :width].index_copy_(1, stock, stock_tables.expand(tables.shape[0], -1, -1))
