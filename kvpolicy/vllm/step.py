@@ -329,16 +329,18 @@ class SharingStep(OnPath):
 
 @dataclass
 class FixedDecodeInputs:
-    """What the host makes of a fixed-shape decode step (``modes/fixed_decode.py``), staged with it: every
-    one-head sequence's length and new token's slot, [layers, rows * H] (padded rows 0 and -1); which
-    sequences are relocated rows' (their page tables come from the mode's device copy) and which are
-    stock rows', with those rows' page tables (``block * H + h``)."""
+    """What the host adds for a fixed-shape decode step (``modes/fixed_decode.py``) to its relocated rows'
+    per-head batch, staged with it: which one-head sequences are those rows' (``relocated``: their lengths,
+    slots and page tables come from the batch and the mode's device tables) and which are stock rows'
+    (``stock``), with the stock sequences' length, new token's slot and page table (``block * H + h``),
+    the same in every layer; ``requests``: the batch's rows that are requests (the rest is padding)."""
 
-    seq_lens: torch.Tensor
-    slots: torch.Tensor
     relocated: torch.Tensor
     stock: torch.Tensor
+    stock_lens: torch.Tensor
+    stock_slots: torch.Tensor
     stock_tables: torch.Tensor
+    requests: int
 
 
 @dataclass

@@ -244,5 +244,6 @@ class ModePath:
         if own_rows is None:
             platform_write(None)
             return False
-        platform_write(self.ops.on_device(platform_tokens, key.device))
+        if platform_tokens.numel():  # none in a decode step whose every row is this path's
+            platform_write(self.ops.on_device(platform_tokens, key.device))
         return True

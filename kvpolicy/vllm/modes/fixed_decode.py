@@ -136,10 +136,8 @@ class FixedDecode:
         if (np.diff(batch.query_start_loc[: real + 1]) != 1).any():
             return None
         shape = self.shape
-        heads, layers, block_size = shape.num_kv_heads, shape.num_layers, shape.block_size
+        heads, block_size = shape.num_kv_heads, shape.block_size
         per_head = built.per_head
-        seq_lens = np.zeros((layers, rows * heads), dtype=np.int32)
-        slots = np.full((layers, rows * heads), -1, dtype=np.int64)
         head = np.arange(heads)
         relocated = np.zeros(0, dtype=np.int64)
         is_stock = np.ones(real, dtype=bool)
@@ -147,21 +145,21 @@ class FixedDecode:
             relocated_rows = per_head.token_idx.numpy()  # one token per row: its token is its row
             is_stock[relocated_rows] = False
             relocated = (relocated_rows[:, None] * heads + head).reshape(-1)
-            seq_lens[:, relocated] = per_head.seq_lens.numpy()
-            slots[:, relocated] = per_head.slots.numpy()
         stock_rows = np.flatnonzero(is_stock)
         stock = (stock_rows[:, None] * heads + head).reshape(-1)
         lengths = batch.seq_lens.numpy()[stock_rows].astype(np.int64)
         blocks = batch.block_table.numpy()[stock_rows].astype(np.int64)
-        seq_lens[:, stock] = np.repeat(lengths, heads)
         last = lengths - 1  # the new token's position
         last_page = blocks[np.arange(len(stock_rows)), last // block_size][:, None] * heads + head
-        slots[:, stock] = (last_page * block_size + (last % block_size)[:, None]).reshape(-1)
         width = int(shape.num_blocks(lengths.max())) if len(stock_rows) else 0
         stock_tables = ((blocks[:, None, :width] * heads) + head[None, :, None]).reshape(len(stock), width)
         inputs = FixedDecodeInputs(
-            *(torch.from_numpy(a) for a in (seq_lens, slots, relocated, stock)),
+            torch.from_numpy(relocated),
+            torch.from_numpy(stock),
+            torch.from_numpy(np.repeat(lengths, heads).astype(np.int32)),
+            torch.from_numpy((last_page * block_size + (last % block_size)[:, None]).reshape(-1)),
             torch.from_numpy(stock_tables.astype(np.int32)),
+            real,
         )
         step = FixedDecodeStep(inputs, per_head, self.calls(rows))
         step.path = self.path
@@ -169,32 +167,43 @@ class FixedDecode:
         return step
 
     def fill(self, step: FixedDecodeStep, tables: TableMirror) -> None:
-        """Write a staged step into the buffers (device copies, outside any graph): lengths and slots whole,
-        the relocated rows' page tables from the mirror of the mode's tables, the stock rows' from theirs."""
-        inputs, device = step.inputs, self.seq_lens.device
+        """Write a staged step into the buffers (device copies, outside any graph): the relocated rows'
+        lengths and slots from their per-head batch and page tables from the mirror of the mode's tables,
+        the stock rows' from the step's inputs, the padding's emptied."""
+        inputs, device, per_head = step.inputs, self.seq_lens.device, step.per_head
         on_device = [
             self.ops.on_device(t, device)
-            for t in (inputs.seq_lens, inputs.slots, inputs.relocated, inputs.stock, inputs.stock_tables)
+            for t in (inputs.relocated, inputs.stock, inputs.stock_lens, inputs.stock_slots, inputs.stock_tables)
         ]
-        mirror = None
-        if inputs.relocated.numel():
+        relocated_parts = None
+        if per_head is not None:
             mirror = tables.tables.view(self.shape.num_layers, -1, tables.tables.shape[-1])
-        write_buffers(self.seq_lens, self.slots, self.tables, *on_device, mirror)
+            lens, slots = (self.ops.on_device(t, device) for t in (per_head.seq_lens, per_head.slots))
+            relocated_parts = lens, slots, mirror
+        n = step.calls.slots.shape[1]
+        padding = slice(inputs.requests * self.shape.num_kv_heads, n)
+        write_buffers(self.seq_lens, self.slots, self.tables, padding, *on_device, relocated_parts)
 
 
 def write_buffers(
-    seq_lens, slots, tables, step_lens, step_slots, relocated, stock, stock_tables, relocated_tables
+    seq_lens, slots, tables, padding, relocated, stock, stock_lens, stock_slots, stock_tables, relocated_parts
 ) -> None:
     """The device's work of ``FixedDecode.fill`` (a function of its own, as ``staging.update_tables`` is, for
-    the host-time benchmark to leave out): the step's lengths and slots [layers, n] into the buffers' first
-    ``n`` sequences; then the page tables, the relocated sequences' from ``relocated_tables`` [layers,
-    sequences, pages] (the mode's mirror, those rows first), the stock ones' the same in every layer."""
-    n = step_lens.shape[1]
-    seq_lens[:, :n].copy_(step_lens)
-    slots[:, :n].copy_(step_slots)
-    if relocated.numel():
-        width = min(relocated_tables.shape[-1], tables.shape[-1])
-        tables[:, :, :width].index_copy_(1, relocated, relocated_tables[:, : relocated.numel(), :width])
+    the host-time benchmark to leave out). Into the buffers' sequences: the relocated ones' lengths, slots
+    and page tables from ``relocated_parts`` (their per-head batch's [layers, sequences] and the mode's
+    device tables [layers, rows, pages], those rows first), the stock ones' the same in every layer, the
+    ``padding`` ones' length 0 and no slot."""
+    layers = seq_lens.shape[0]
+    seq_lens[:, padding].fill_(0)
+    slots[:, padding].fill_(-1)
+    if relocated_parts is not None:
+        lens, new_slots, mirror = relocated_parts
+        seq_lens.index_copy_(1, relocated, lens)
+        slots.index_copy_(1, relocated, new_slots)
+        width = min(mirror.shape[-1], tables.shape[-1])
+        tables[:, :, :width].index_copy_(1, relocated, mirror[:, : relocated.numel(), :width])
     if stock.numel():
+        seq_lens.index_copy_(1, stock, stock_lens.expand(layers, -1))
+        slots.index_copy_(1, stock, stock_slots.expand(layers, -1))
         width = stock_tables.shape[1]
-        tables[:, :, :width].index_copy_(1, stock, stock_tables.expand(tables.shape[0], -1, -1))
+        tables[:, :, :width].index_copy_(1, stock, stock_tables.expand(layers, -1, -1))
