@@ -375,6 +375,14 @@ def bench_args(preset: dict, config: dict, pool: str, model: Path, output_json: 
     return args
 
 
+def fixed_decode_steps(worker) -> dict | None:
+    """A worker's decode steps built in the fixed shapes of full CUDA graphs, by padded batch size (None:
+    the policy's decode does not run in them); read through ``LLM.collective_rpc``."""
+    state = getattr(getattr(worker, "worker", worker), "kvpolicy", None)
+    fixed = getattr(getattr(state, "mode", None), "fixed", None)
+    return None if fixed is None else {int(rows): count for rows, count in fixed.steps.items()}
+
+
 class RunningSampler(threading.Thread):
     """Samples ``vllm:num_requests_running`` every ``SAMPLE_EVERY_S`` while the timed run goes on."""
 
@@ -452,6 +460,10 @@ class Probe:
         # Every request is submitted at once, so none runs only before the first step and after the last.
         samples = [n for n in self.sampler.samples if n] or [0.0]
         count, total = (now - before for now, before in zip(self._inter_token(metrics), self.inter_token_before))
+        try:
+            fixed = self.llm.collective_rpc(fixed_decode_steps)[0]
+        except Exception as error:  # a report of the run, not a reason to lose it
+            fixed = f"not read: {error!r}"
         return {
             "step_ms": 1000 * total / count if count else None,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -462,6 +474,7 @@ class Probe:
             "sample_read_ms": 1000 * self.sampler.read_s / max(len(self.sampler.samples), 1),
             "counters": delta,
             "pool_empty_after": metric_total(metrics, "vllm:kv_cache_usage_perc") == 0.0,
+            "fixed_decode_steps": fixed,
             "engine": {
                 "block_size": config.cache_config.block_size,
                 "num_gpu_blocks": config.cache_config.num_gpu_blocks,

@@ -6,7 +6,8 @@ the capture, with their arguments. Here the Triton ops run interpreted
 backend build decode batches as it does for those graphs
 (``kvpolicy/vllm/modes/fixed_decode.py``): every row as one-head sequences
 over persistent buffers, relocated rows and rows still in vLLM's layout (the
-60-token prompt is under the budget) in one call. The same requests must give
+60-token prompt is under the budget) in one call. ``adasnap`` stands for the
+family: ``identity``, streaming and the rest of SnapKV's build the same step. The same requests must give
 the same tokens as the per-head path, and every launch that reads the buffers
 must repeat, argument for argument, from step to step: one argument list per
 layer and padded batch size, however many steps ran (the model's activations
@@ -19,8 +20,9 @@ import pytest
 from kvpolicy.offline.model import prepare_tiny
 from tests.e2e.test_ops_in_engine import assert_same_tokens
 
-RUN = ("--prompt-lens", "60", "200", "129", "--max-tokens", "12", "--chunk", "64", "--ops", "triton")
-POLICIES = {"identity": ("--policy", "identity"), "adasnap": ("--policy", "adasnap", "--budget", "64")}
+#: ``adasnap`` relocates the 200- and 129-token prompts; the 60-token one, under its budget, stays in vLLM's layout.
+RUN = ("--policy", "adasnap", "--budget", "64", "--prompt-lens", "60", "200", "129", "--max-tokens", "12")
+RUN += ("--chunk", "64", "--ops", "triton", "--page-pool", "layer")
 LAYERS = 3
 #: Kernels whose every argument list differs by layer; the split decode's merge reads no layer's buffers.
 PER_LAYER = ("_paged_attention_kernel", "_write_slots_kernel")
@@ -32,13 +34,9 @@ def tiny_model():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_fixed_shape_decode_gives_the_per_head_paths_tokens_with_the_same_launches_each_step(
-    engine_run, tiny_model, policy
-):
-    args = (*POLICIES[policy], *RUN, "--page-pool", "layer")
-    per_head = engine_run(*args, model=tiny_model)
-    fixed = engine_run(*args, "--fixed-decode", model=tiny_model)
+def test_fixed_shape_decode_gives_the_per_head_paths_tokens_with_the_same_launches_each_step(engine_run, tiny_model):
+    per_head = engine_run(*RUN, model=tiny_model)
+    fixed = engine_run(*RUN, "--fixed-decode", model=tiny_model)
     assert "fixed_decode_steps" not in per_head
     steps = fixed["fixed_decode_steps"]
     assert sum(steps.values()) >= 10, f"decode batches ran in fixed shapes: {steps}"
