@@ -6,13 +6,13 @@ the capture, with their arguments. Here the Triton ops run interpreted
 backend build decode batches as it does for those graphs
 (``kvpolicy/vllm/modes/fixed_decode.py``): every row as one-head sequences
 over persistent buffers, relocated rows and rows still in vLLM's layout (the
-60-token prompt is under the budget) in one call. ``adasnap`` stands for the
-family: ``identity``, streaming and the rest of SnapKV's build the same step. The same requests must give
-the same tokens as the per-head path, and every launch that reads the buffers
-must repeat, argument for argument, from step to step: one argument list per
-layer and padded batch size, however many steps ran (the model's activations
-aside, which a graph keeps at addresses of its own), and none may compile a
-kernel variant the worker's warm-up did not.
+60-token prompt is under the budget) in one call; ``adasnap`` stands for its
+family (``identity``, streaming and the SnapKV family build the same step).
+The same requests must give the same tokens as the per-head path; every
+launch that reads the buffers must repeat, argument for argument, from step
+to step (one argument list per layer and padded batch size, however many
+steps ran; the model's activations aside, which a graph keeps at addresses
+of its own); and none may compile a kernel variant the warm-up did not.
 """
 
 import pytest
