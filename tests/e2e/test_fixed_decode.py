@@ -7,7 +7,8 @@ backend build decode batches as it does for those graphs
 (``kvpolicy/vllm/modes/fixed_decode.py``): every row as one-head sequences
 over persistent buffers, relocated rows and rows still in vLLM's layout (the
 60-token prompt is under the budget) in one call; ``adasnap`` stands for its
-family (``identity``, streaming and the SnapKV family build the same step).
+family (``identity``, streaming and the SnapKV family build the same step),
+under vLLM's asynchronous scheduler with prefix caching, as on CUDA.
 The same requests must give the same tokens as the per-head path; every
 launch that reads the buffers must repeat, argument for argument, from step
 to step (one argument list per layer and padded batch size, however many
@@ -23,6 +24,7 @@ from tests.e2e.test_ops_in_engine import assert_same_tokens
 #: ``adasnap`` relocates the 200- and 129-token prompts; the 60-token one, under its budget, stays in vLLM's layout.
 RUN = ("--policy", "adasnap", "--budget", "64", "--prompt-lens", "60", "200", "129", "--max-tokens", "12")
 RUN += ("--chunk", "64", "--ops", "triton", "--page-pool", "layer")
+RUN += ("--async-scheduling", "--prefix-caching")  # vLLM's defaults on CUDA
 LAYERS = 3
 #: Kernels whose every argument list differs by layer; the split decode's merge reads no layer's buffers.
 PER_LAYER = ("_paged_attention_kernel", "_write_slots_kernel")
@@ -37,7 +39,7 @@ def tiny_model():
 def test_fixed_shape_decode_gives_the_per_head_paths_tokens_with_the_same_launches_each_step(engine_run, tiny_model):
     per_head = engine_run(*RUN, model=tiny_model)
     fixed = engine_run(*RUN, "--fixed-decode", model=tiny_model)
-    assert "fixed_decode_steps" not in per_head
+    assert "fixed_decode_steps" not in per_head and fixed["async_scheduling"]
     steps = fixed["fixed_decode_steps"]
     assert sum(steps.values()) >= 10, f"decode batches ran in fixed shapes: {steps}"
     assert_same_tokens(per_head, fixed)
