@@ -91,7 +91,8 @@ class Relocate(ModeState[RelocatedRequest]):
     def enable_fixed_decode(self, ops: KVOps, shape: StepShape, max_rows: int, head_size: int, device) -> bool:
         if self.pools_layers or refusal(self.policy, self.worker.config.offload is not None) is not None:
             return False
-        self.fixed = FixedDecode(self, ops, shape, max_rows, head_size, device)
+        if self.fixed is None:  # one set of buffers for the worker, however many builders bind to it
+            self.fixed = FixedDecode(self, ops, shape, max_rows, head_size, device)
         return True
 
     def stage(self, step: RelocatingStep | FixedDecodeStep, ops: KVOps) -> None:
