@@ -189,22 +189,26 @@ class MetaEngine:
                 if policy.inputs.attention:
                     self.mode.scores.write(layer, carried.slot, torch.zeros(KV_HEADS, kept, device=DEVICE))
 
-    def step(self, rows: list[tuple[str, int]]) -> list[str]:
-        """One step of ``rows`` (request, new tokens): built, staged and run through every layer under the shim."""
+    def step(self, rows: list[tuple[str, int]], padding: int = 0) -> list[str]:
+        """One step of ``rows`` (request, new tokens): built, staged and run through every layer under the shim.
+        ``padding``: rows past the requests, as vLLM pads a batch it replays in a full CUDA graph (no token, length
+        0, the null block), with as many padded tokens."""
         requests = self.runner.requests
         for req_id, new in rows:
             requests[req_id].num_tokens = max(requests[req_id].num_tokens, requests[req_id].num_computed_tokens + new)
-        query_lens = torch.tensor([new for _, new in rows], dtype=torch.int32)
-        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_lens = torch.tensor([new for _, new in rows] + [0] * padding, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(rows) + padding + 1, dtype=torch.int32)
         query_start_loc[1:] = query_lens.cumsum(0)
-        seq_lens = torch.tensor([requests[r].num_computed_tokens + new for r, new in rows], dtype=torch.int32)
-        block_table = torch.tensor([self.tables[r] for r, _ in rows], dtype=torch.int32)
+        seq_lens = torch.tensor(
+            [requests[r].num_computed_tokens + new for r, new in rows] + [0] * padding, dtype=torch.int32
+        )
+        block_table = torch.tensor([self.tables[r] for r, _ in rows] + [[0] * 16] * padding, dtype=torch.int32)
         self.runner.input_batch.req_ids = [r for r, _ in rows]
         self.runner.input_batch.block_table = [SimpleNamespace(get_cpu_tensor=lambda: block_table)]
         cam = SimpleNamespace(
-            num_reqs=len(rows), query_start_loc_cpu=query_start_loc, seq_lens_cpu_upper_bound=seq_lens
+            num_reqs=len(rows) + padding, query_start_loc_cpu=query_start_loc, seq_lens_cpu_upper_bound=seq_lens
         )
-        tokens = int(query_start_loc[-1])
+        tokens = int(query_start_loc[-1]) + padding
         query = torch.empty(tokens, KV_HEADS * GROUP, HEAD_SIZE, device=DEVICE)
         key = torch.empty(tokens, KV_HEADS, HEAD_SIZE, device=DEVICE)
         out = torch.empty_like(query)
@@ -318,7 +322,8 @@ def test_fixed_shape_decode_steps_read_nothing_back_and_launch_a_write_and_an_at
         engine.ops.launches = 0
         assert engine.step(decode) == []
         assert engine.ops.launches == 2 * LAYERS
-    assert engine.mode.fixed.steps == {4: 3}
+    assert engine.step(decode, padding=2) == [], "a batch vLLM padded to the size of a graph it replays"
+    assert engine.mode.fixed.steps == {4: 3, 6: 1}
 
 
 def test_a_capture_batch_without_requests_runs_in_fixed_shapes():

@@ -242,10 +242,11 @@ class Relocate(ModeState[RelocatedRequest]):
             RequestPages.add_new_blocks([pages[i] for i in adding.tolist()], new_blocks.numpy().astype(np.int64))
         draft.per_head_rows.extend(fast)
         draft.per_head_pages.extend(pages)
-        if len(fast) == batch.num_reqs:
+        requests = len(batch.req_ids)  # rows past them are a full CUDA graph's padding: no request
+        if len(fast) == requests:
             return []
         taken = set(fast)
-        return [i for i in range(batch.num_reqs) if i not in taken]
+        return [i for i in range(requests) if i not in taken]
 
     def _relocated_row(
         self, draft: _Draft, row: Row, pages: RequestPages, batch: HostBatch, shape: StepShape, schedule: Schedule
