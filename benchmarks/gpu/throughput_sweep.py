@@ -310,15 +310,27 @@ def pool_bytes(preset: dict, pool: str) -> int:
 
 
 def prepare(carry: Path) -> Path:
-    """The default model's tokenizer, xz-compressed (3.5 MB -> 0.45 MB), in the folder that is carried."""
+    """The default model's tokenizer, xz-compressed (3.5 MB -> 0.45 MB), and its config (the tiny models of
+    ``cuda_engine.py`` take their vocabulary and special tokens from it), in the folder that is carried."""
     from kvpolicy.offline.model import prepare as prepare_default_model
 
     source = prepare_default_model()
     target = carry / "tokenizer"
     target.mkdir(parents=True, exist_ok=True)
     (target / "tokenizer.json.xz").write_bytes(lzma.compress((source / "tokenizer.json").read_bytes()))
-    (target / "tokenizer_config.json").write_bytes((source / "tokenizer_config.json").read_bytes())
+    for name in ("tokenizer_config.json", "config.json"):
+        (target / name).write_bytes((source / name).read_bytes())
     return target
+
+
+def unpack_tokenizer(carried: Path, folder: Path) -> Path:
+    """The carried tokenizer and config as a model folder's files (without weights), in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_bytes(lzma.decompress((carried / "tokenizer.json.xz").read_bytes()))
+    for name in ("tokenizer_config.json", "config.json"):
+        if (carried / name).is_file():
+            (folder / name).write_bytes((carried / name).read_bytes())
+    return folder
 
 
 def model_folder(shape_name: str, carry: Path) -> Path:
@@ -326,11 +338,8 @@ def model_folder(shape_name: str, carry: Path) -> Path:
     tokenizer = carry / "tokenizer"
     if not (tokenizer / "tokenizer.json.xz").is_file():
         tokenizer = prepare(carry)
-    folder = MODELS_DIR / shape_name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = unpack_tokenizer(tokenizer, MODELS_DIR / shape_name)
     (folder / "config.json").write_text(json.dumps(SHAPES[shape_name], indent=1))
-    (folder / "tokenizer.json").write_bytes(lzma.decompress((tokenizer / "tokenizer.json.xz").read_bytes()))
-    (folder / "tokenizer_config.json").write_bytes((tokenizer / "tokenizer_config.json").read_bytes())
     return folder
 
 

@@ -129,12 +129,19 @@ TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def prepare_tiny(
-    num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 32, seed: int = 0
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 32,
+    seed: int = 0,
+    source: Path | None = None,
 ) -> Path:
     """A random-weight Llama of the given shape with the default model's tokenizer, saved as an HF folder.
 
     For shapes the default model lacks (GQA splits, few layers for interpreted
     kernels); made locally and deterministically from ``seed``, never downloaded.
+    ``source``: a folder with the default model's ``config.json`` and tokenizer files, where its package is
+    not installed (a lent GPU machine); by default the default model's own folder.
     """
     out_dir = cache_root() / "models" / f"tiny-l{num_layers}-h{num_heads}-kv{num_kv_heads}-d{head_size}-s{seed}"
     if (out_dir / MANIFEST).exists():
@@ -142,7 +149,7 @@ def prepare_tiny(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    source = prepare()
+    source = source or prepare()
     default = json.loads((source / "config.json").read_text())
     config = LlamaConfig(
         vocab_size=default["vocab_size"],
