@@ -163,20 +163,28 @@ def counted_table_updates(tables, rows, contents, flat, values) -> None:
 
 
 @contextmanager
-def launches_counted():
-    """The stubbed kernels count their launches in ``LAUNCHES``: for steps that are not timed, so the
-    counting is not part of the host time measured."""
-    saved = {name: getattr(triton_ops, name) for name in KERNELS}
-    saved_writes, saved_updates = fixed_decode.write_buffers, staging.update_tables
-    for name, stub in saved.items():
-        setattr(triton_ops, name, counted(stub))
-    fixed_decode.write_buffers, staging.update_tables = counted_buffer_writes, counted_table_updates
+def replaced(module, stand_ins: dict):
+    """``module``'s attributes named in ``stand_ins`` replaced by them inside the block, restored after."""
+    saved = {name: getattr(module, name) for name in stand_ins}
+    for name, stand_in in stand_ins.items():
+        setattr(module, name, stand_in)
     try:
         yield
     finally:
-        for name, stub in saved.items():
-            setattr(triton_ops, name, stub)
-        fixed_decode.write_buffers, staging.update_tables = saved_writes, saved_updates
+        for name, real in saved.items():
+            setattr(module, name, real)
+
+
+@contextmanager
+def launches_counted():
+    """The stubbed kernels count their launches in ``LAUNCHES``: for steps that are not timed, so the
+    counting is not part of the host time measured."""
+    with (
+        replaced(triton_ops, {name: counted(getattr(triton_ops, name)) for name in KERNELS}),
+        replaced(fixed_decode, {"write_buffers": counted_buffer_writes}),
+        replaced(staging, {"update_tables": counted_table_updates}),
+    ):
+        yield
 
 
 @contextmanager
@@ -191,27 +199,25 @@ def kernels_stubbed():
     def weights(query, cache, geometry, token_of, head_of, table, seq_lens, scale, kv_heads):
         return torch.zeros(seq_lens.numel(), int(seq_lens.max()))
 
+    def nothing(*args):
+        return None
+
     stubs = {
-        "paged_attention": lambda *args: None,
-        "write_slots": lambda *args: None,
-        "move_tokens": lambda *args: None,
-        "scatter_tokens": lambda *args: None,
+        "paged_attention": nothing,
+        "write_slots": nothing,
+        "move_tokens": nothing,
+        "scatter_tokens": nothing,
         "gather_tokens": gather,
         "new_token_weights": weights,
+        "cache_geometry": nothing,
     }
-    saved = {name: getattr(triton_ops, name) for name in [*stubs, "cache_geometry"]}
-    saved_update, saved_writes = staging.update_tables, fixed_decode.write_buffers
-    for name, stub in stubs.items():
-        setattr(triton_ops, name, stub)
-    triton_ops.cache_geometry = lambda layer, cache: None
     # Scatters into the device's page tables and copies into the fixed-shape buffers: device work on a GPU.
-    staging.update_tables = fixed_decode.write_buffers = lambda *args: None
-    try:
+    with (
+        replaced(triton_ops, stubs),
+        replaced(staging, {"update_tables": nothing}),
+        replaced(fixed_decode, {"write_buffers": nothing}),
+    ):
         yield
-    finally:
-        for name, real in saved.items():
-            setattr(triton_ops, name, real)
-        staging.update_tables, fixed_decode.write_buffers = saved_update, saved_writes
 
 
 def uneven_head_lengths(rng: np.random.Generator, layers: int, heads: int, budget: int) -> np.ndarray:
