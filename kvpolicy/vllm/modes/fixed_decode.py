@@ -149,15 +149,15 @@ class FixedDecode:
         stock = (stock_rows[:, None] * heads + head).reshape(-1)
         lengths = batch.seq_lens.numpy()[stock_rows].astype(np.int64)
         blocks = batch.block_table.numpy()[stock_rows].astype(np.int64)
-        last = lengths - 1  # the new token's position
-        last_page = blocks[np.arange(len(stock_rows)), last // block_size][:, None] * heads + head
         width = int(shape.num_blocks(lengths.max())) if len(stock_rows) else 0
         stock_tables = ((blocks[:, None, :width] * heads) + head[None, :, None]).reshape(len(stock), width)
+        last = np.repeat(lengths - 1, heads)  # each sequence's new token, in its page from the table
+        stock_slots = stock_tables[np.arange(len(stock)), last // block_size] * block_size + last % block_size
         inputs = FixedDecodeInputs(
             torch.from_numpy(relocated),
             torch.from_numpy(stock),
             torch.from_numpy(np.repeat(lengths, heads).astype(np.int32)),
-            torch.from_numpy((last_page * block_size + (last % block_size)[:, None]).reshape(-1)),
+            torch.from_numpy(stock_slots),
             torch.from_numpy(stock_tables.astype(np.int32)),
             real,
         )
