@@ -163,8 +163,10 @@ class TritonOps(KVOps):
         self._heads_plan: tuple[torch.Tensor | None, VirtualSequences | None] = (None, None)
         #: The current step's index tensors on the device (``stage``).
         self.staged: StagedStep | None = None
-        #: The current step's per-head calls with their device arguments (None: the step has none).
+        #: The current step's per-head calls with their device arguments (None: the step has none, or no
+        #: layer asked yet), and the per-head batch they are made from (``_calls``).
         self.layer_calls: LayerCalls | None = None
+        self._per_head: PerHeadBatch | None = None
         #: The side stream that loads OmniKV's selected pages from the host pool (made at its first load).
         self._copy_stream = None
         #: Where fixed-shape split decodes keep their partial states (``fixed_decode_plan``).
@@ -189,11 +191,11 @@ class TritonOps(KVOps):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         tensors = list(step_tensors(step))
         per_head = getattr(step, "per_head", None)
+        self.layer_calls, self._per_head = None, None
         if per_head is None or tables is None:
-            self.staged, self.layer_calls = StagedStep(tensors, device), None
+            self.staged = StagedStep(tensors, device)
         else:
-            self.staged = tables.stage(per_head.store, tensors, device)
-            self.layer_calls = LayerCalls.of(per_head, self.staged)
+            self.staged, self._per_head = tables.stage(per_head.store, tensors, device), per_head
 
     def _on(self, device: torch.device, *tensors):
         """The step's index tensors are built on the host; kernels read them where the cache is: from the
@@ -203,9 +205,17 @@ class TritonOps(KVOps):
             return staged.to_device(tensors)
         return copy_to(device, list(tensors))
 
+    def _calls(self) -> LayerCalls | None:
+        """The staged step's per-head calls with their device arguments, made at the first layer that asks (a
+        fixed-shape decode step stages its per-head batch but its layers never ask)."""
+        if self.layer_calls is None and self._per_head is not None:
+            self.layer_calls = LayerCalls.of(self._per_head, self.staged)
+        return self.layer_calls
+
     def _staged_call(self, batch: AttentionBatch, rows: HeadRows | None):
         """(device indices, longest sequence) of one of the staged step's per-head calls, or None."""
-        return None if self.layer_calls is None else self.layer_calls.attend(batch, rows)
+        calls = self._calls()
+        return None if calls is None else calls.attend(batch, rows)
 
     def warm_up(self, layer, cache):
         """Every variant the engine launches (``kvpolicy_triton.launch``): paged attention in its decode
@@ -261,7 +271,7 @@ class TritonOps(KVOps):
         return self._on(device, tensor)[0]
 
     def write(self, layer, cache, key, value, rows: HeadRows, slots):
-        calls = self.layer_calls
+        calls = self._calls()
         indices = calls.write(rows, slots) if calls is not None else None
         if indices is None:
             indices = self._on(cache.device, rows.token_of, rows.head_of, slots)
