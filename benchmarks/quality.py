@@ -126,6 +126,7 @@ def layer_count(model: str | None) -> int:
 def run_engine(policy: str, cells: list[dict], model: str | None) -> None:
     """One engine, in this process, answering each cell (``budget``, ``items``, ``path``) in turn; a cell's answers
     are written to its ``path`` once they are in, so only its own prompts are ever in flight together."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # on CPU vLLM spawns its engine core: a second vLLM import
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

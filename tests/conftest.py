@@ -31,6 +31,39 @@ def pytest_configure(config):
     os.sched_setaffinity(0, {core})
 
 
+#: The files whose tests talk to the ``vllm serve`` a test worker starts for its session (``tests/e2e/conftest.py``).
+SERVER_FILES = frozenset(
+    f"tests/e2e/{name}.py" for name in ("test_server", "test_dashboard", "test_load", "test_vllm_bench")
+)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the server's files as one: a worker runs a file's tests, so they share its
+    engines, and one worker runs every test of the server, so only it starts one (a start compiles the model,
+    about 45 s)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ServerFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "server" if path in SERVER_FILES else path
+
+    return ServerFilesTogether(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    """A test of the server outside ``SERVER_FILES`` would make a second worker start its own."""
+    strays = [
+        item.nodeid
+        for item in items
+        if "server" in item.fixturenames and item.nodeid.split("::")[0] not in SERVER_FILES
+    ]
+    if strays:
+        raise pytest.UsageError(f"tests of the shared server outside SERVER_FILES (tests/conftest.py): {strays}")
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     from kvpolicy.offline.model import prepare

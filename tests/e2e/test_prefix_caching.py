@@ -1,4 +1,4 @@
-"""Prefix caching with compressing policies, on the real engine and through the real server.
+"""Prefix caching with compressing policies, on the real engine (through the real server: ``test_server.py``).
 
 A prompt that starts with a cached prefix reads it from the blocks an earlier
 request handed back, computes the rest, and is then compressed over its whole
@@ -11,12 +11,9 @@ too, with no hits. A prompt whose blocks are mostly shared with running
 requests has no room of its own to relocate into and stays uncompressed.
 """
 
-import time
-
 import pytest
 
-from benchmarks.server import scrape
-from tests.e2e.conftest import SERVED_NAME, assert_same_outputs, shared_prefix_args
+from tests.e2e.conftest import assert_same_outputs, shared_prefix_args
 
 BLOCK_SIZE = 128
 
@@ -103,44 +100,11 @@ def test_policies_that_cannot_start_from_a_hit_do_not_read_the_cache(engine_run,
 
 
 def test_prompts_mostly_shared_with_running_ones_stay_uncompressed_and_exact(engine_run):
-    lens = ("--prompt-lens", "100", "150", "200")
-    _, on = shared_prefix_runs(engine_run, "adasnap", *lens)
-    _, stock = shared_prefix_runs(engine_run, "none", *lens)
+    lens = ("--prompt-lens", "100", "150", "200", "--prefix-caching")
+    on, stock = (engine_run(*shared_prefix_args(policy, *lens)) for policy in ("adasnap", "none"))
     # The two last prompts run together: each reads the other's blocks, 2 of their own are left.
     assert [request["cached_tokens"] > 0 for request in on["requests"]] == [False, True, True]
     assert on["counters"]["shared_prefix_uncompressed"] == 2
     assert on["counters"]["relocated_requests"] == 1
     assert_same_outputs({"requests": stock["requests"][1:]}, {"requests": on["requests"][1:]})
     assert on["kv_cache_usage_end"] == 0
-
-
-SYSTEM = (
-    "You are a librarian. The library opens at nine and closes at six. Members may borrow five books "
-    "for three weeks; late returns cost ten cents a day. "
-) * 40
-TURNS = ("When does the library open?", "How many books may I borrow?", "What does a late return cost?")
-
-
-def total(samples: dict[str, float], metric: str) -> float:
-    return sum(value for name, value in samples.items() if name.split("{", 1)[0] == metric)
-
-
-def test_a_three_turn_chat_hits_the_prefix_cache_through_the_server(client, server):
-    before = scrape(server)
-    messages = [{"role": "system", "content": SYSTEM}]
-    prompt_tokens = []
-    for question in TURNS:
-        messages.append({"role": "user", "content": question})
-        reply = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=24, temperature=0)
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-        prompt_tokens.append(reply.usage.prompt_tokens)
-    after = scrape(server)
-    assert prompt_tokens[0] > 1000
-    hits = total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total")
-    assert hits >= 2 * 4 * BLOCK_SIZE  # turns 2 and 3 read at least 4 blocks of the turns before
-    compressed = "vllm:kvpolicy_compressed_requests_total"
-    assert total(after, compressed) - total(before, compressed) == 3
-    deadline = time.monotonic() + 30
-    while total(scrape(server), "vllm:kv_cache_usage_perc") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert total(scrape(server), "vllm:kv_cache_usage_perc") == 0

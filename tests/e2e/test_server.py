@@ -12,6 +12,7 @@ from tests.e2e.conftest import SERVED_BUDGET, SERVED_NAME, SERVED_POLICY
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 120
 LAYERS_X_KV_HEADS = 30 * 3
+BLOCK_SIZE = 128  # vLLM's CPU default
 GAUGE_NAMES = (
     "num_requests_compressed",
     "compressed_kv_blocks",
@@ -148,3 +149,35 @@ def test_metrics_are_served(server):
     text = requests.get(f"{server}/metrics", timeout=30).text
     assert "vllm:num_requests_running" in text
     assert "vllm:kvpolicy_released_bytes_total" in text
+
+
+SYSTEM = (
+    "You are a librarian. The library opens at nine and closes at six. Members may borrow five books "
+    "for three weeks; late returns cost ten cents a day. "
+) * 40
+TURNS = ("When does the library open?", "How many books may I borrow?", "What does a late return cost?")
+
+
+def total(samples: dict[str, float], metric: str) -> float:
+    return sum(value for name, value in samples.items() if name.split("{", 1)[0] == metric)
+
+
+def test_a_three_turn_chat_hits_the_prefix_cache_through_the_server(client, server):
+    before = scrape(server)
+    messages = [{"role": "system", "content": SYSTEM}]
+    prompt_tokens = []
+    for question in TURNS:
+        messages.append({"role": "user", "content": question})
+        reply = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=24, temperature=0)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        prompt_tokens.append(reply.usage.prompt_tokens)
+    after = scrape(server)
+    assert prompt_tokens[0] > 1000
+    hits = total(after, "vllm:prefix_cache_hits_total") - total(before, "vllm:prefix_cache_hits_total")
+    assert hits >= 2 * 4 * BLOCK_SIZE  # turns 2 and 3 read at least 4 blocks of the turns before
+    compressed = "vllm:kvpolicy_compressed_requests_total"
+    assert total(after, compressed) - total(before, compressed) == 3
+    deadline = time.monotonic() + 30
+    while total(scrape(server), "vllm:kv_cache_usage_perc") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert total(scrape(server), "vllm:kv_cache_usage_perc") == 0

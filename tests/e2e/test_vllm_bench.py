@@ -23,7 +23,8 @@ BUDGET = 128  # tokens per KV head: the prompts below are several times longer
 
 
 def vllm_bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    # The throughput run's engine in its own process: on CPU vLLM would spawn its engine core, a second vLLM import.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = subprocess.run([VLLM, "bench", *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
