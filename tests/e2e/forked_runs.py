@@ -9,8 +9,9 @@ under test in every run, and ``--stock`` runs load no plugin, as in their own
 interpreter. CPU time of one run (2-core machine, 2026-11-27): the default
 model's mixed batch 19.5 to 21 s from its own interpreter, 10 to 10.5 s
 forked; a tiny model's 14 to 15 s and 4.6 to 5.4 s; a refused start 8.8 s
-and 0.2 s. With the sampler's kernel compiled in the server (2026-11-28): a
-tiny model's run 3.3 to 3.6 s forked, against 5.1 to 5.2 s.
+and 0.2 s. On 2026-11-28, a tiny model's forked run: 5.1 to 5.2 s; 3.3 to
+3.6 s with the sampler's kernel compiled in the server; 2.6 to 2.7 s with
+vLLM's explicit garbage collections skipped too.
 """
 
 from __future__ import annotations
@@ -42,13 +43,22 @@ PRELOAD = (
 RUN_ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_ATTN_SPLIT_KV": "0"}
 
 
+def _no_collection(generation: int = 2) -> int:
+    """``gc.collect`` in a forked run (``_run``): nothing collected."""
+    return 0
+
+
 def _run(argv: list[str], stdout: str, stderr: str) -> None:
     """In the forked process: ``engine_run.py *argv`` with its output in two files, exiting as the script would.
 
     What the server imported is frozen out of the garbage collector first: vLLM collects several times while it
     starts, and each full pass would walk every preloaded module's objects (about 1.3 s of a run's CPU time).
+    Those explicit full collections are then skipped altogether (the collector still runs on its own): vLLM
+    makes them to measure free memory and to free it at shutdown, which a process that exits after one run
+    does not need.
     """
     gc.freeze()
+    gc.collect = _no_collection
     for fd, path in ((1, stdout), (2, stderr)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
