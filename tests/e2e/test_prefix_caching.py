@@ -1,4 +1,4 @@
-"""Prefix caching with compressing policies, on the real engine (through the real server: ``test_server.py``).
+"""Prefix caching with compressing policies, on the real engine (a chat through the real server: test_server.py).
 
 A prompt that starts with a cached prefix reads it from the blocks an earlier
 request handed back, computes the rest, and is then compressed over its whole
