@@ -7,11 +7,17 @@ layer-wide allocation gathers every rank's scores, so two ranks keep what one
 keeps: the same tokens, the same counts, counted once in the metrics.
 """
 
+import os
+
 import pytest
 
 from kvpolicy.offline.model import prepare_tiny
 
 RUN = ("--budget", "64", "--max-tokens", "12")
+#: ``make test-avx2`` (tests/avx2/sitecustomize.py) forces AVX2 code on an AVX-512 machine. vLLM's own two-rank
+#: engine fails there with no plugin loaded too (``--stock``, ``ATEN_CPU_CAPABILITY=avx2`` alone: IndexError in
+#: the vocabulary-parallel embedding, 2026-11-28), so that emulation cannot run this test.
+AVX2_EMULATED = os.environ.get("KVPOLICY_EMULATE_AVX2") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +25,7 @@ def four_kv_heads():
     return prepare_tiny(num_layers=4, num_heads=8, num_kv_heads=4, head_size=64)
 
 
+@pytest.mark.xfail(AVX2_EMULATED, reason="vLLM's two ranks fail under forced AVX2 dispatch", strict=True)
 def test_two_ranks_compress_like_one(engine_run, four_kv_heads):
     one = engine_run("--policy", "adasnap", *RUN, model=four_kv_heads)
     two = engine_run("--policy", "adasnap", *RUN, "--tensor-parallel", "2", model=four_kv_heads)
