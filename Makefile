@@ -46,8 +46,9 @@ serve: model
 # Two test workers, a core each (tests/conftest.py binds each worker and its engines to its own core); a
 # file's tests stay on one worker, so they share its engines, and the server's files on one, which starts it.
 TEST_WORKERS ?= 2
+PYTEST_SUITE = $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 test: model prometheus
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PYTEST_SUITE)
 
 # The suite as on an x86 CPU without AVX-512, on one that has it (tests/avx2/sitecustomize.py): vLLM's AVX2 build
 # and AVX2 code in ATen, oneDNN, MKL, OpenBLAS and NumPy. What the instruction set costs, not an older core's speed.
@@ -55,7 +56,7 @@ AVX2_ENV := KVPOLICY_EMULATE_AVX2=1 PYTHONPATH=$(CURDIR)/tests/avx2 ATEN_CPU_CAP
 	MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell \
 	NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
 test-avx2: model prometheus
-	$(AVX2_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(AVX2_ENV) $(PYTEST_SUITE)
 
 # ruff's lint and format check, configured in pyproject.toml (CI runs it before the tests).
 lint: $(VENV)/.deps
