@@ -21,7 +21,10 @@ THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 def pytest_configure(config):
     """Each test worker runs on a core of its own, and so do the engines it starts: vLLM's own binding
-    would put every engine on the same core (its ``auto`` binding reserves the others)."""
+    would put every engine on the same core (its ``auto`` binding reserves the others).
+
+    torch sized its thread pool by the cores it saw when it was imported; left at that, its threads share
+    the one core and wait on each other (the Triton interpreter's kernel tests ran 6x slower)."""
     worker = os.environ.get(XDIST_WORKER_ENV)
     if worker is None:
         return
@@ -29,6 +32,7 @@ def pytest_configure(config):
     core = cores[int(worker.removeprefix("gw")) % len(cores)]
     os.environ.setdefault(THREADS_BIND_ENV, str(core))
     os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
 
 
 #: The files whose tests talk to the ``vllm serve`` a test worker starts for its session (``tests/e2e/conftest.py``).
