@@ -73,3 +73,12 @@ def model_path() -> Path:
     from kvpolicy.offline.model import prepare
 
     return prepare()
+
+
+@pytest.fixture(scope="session")
+def forked():
+    """Engine runs and ``vllm`` commands in processes forked from one that has imported vLLM
+    (``tests/e2e/forked_runs.py``); its server starts at the first."""
+    from tests.e2e.forked_runs import ForkedRuns
+
+    return ForkedRuns()

@@ -12,7 +12,6 @@ import pytest
 
 from benchmarks.server import vllm_server
 from tests.conftest import XDIST_WORKER_ENV
-from tests.e2e.forked_runs import ForkedEngineRuns
 
 SERVED_NAME = "smollm2"
 SERVED_POLICY, SERVED_BUDGET = "adasnap", 256
@@ -45,7 +44,7 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def engine_run(model_path, tmp_path_factory):
+def engine_run(model_path, tmp_path_factory, forked):
     """``engine_run(*flags)``: one offline engine run of ``engine_run.py``, memoized per flags, in a process forked
     from one that has imported vLLM (``forked_runs.py``). The memo is on disk, shared by the test workers of one
     session (pytest-xdist's workers share the base temporary folder's parent): a run another worker made or is
@@ -57,7 +56,6 @@ def engine_run(model_path, tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     out_dir = (base.parent if os.environ.get(XDIST_WORKER_ENV) else base) / "engine-runs"
     out_dir.mkdir(exist_ok=True)
-    runs: list[ForkedEngineRuns] = []  # started at the first run this worker makes
 
     def run(*flags: str, fails: bool = False, model=None) -> dict | str:
         model = str(model or model_path)
@@ -66,10 +64,8 @@ def engine_run(model_path, tmp_path_factory):
         with open(out_dir / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another worker making this run: wait for it
             if not (out.exists() or stderr_file.exists()):
-                if not runs:
-                    runs.append(ForkedEngineRuns())
                 argv = ["--model", model, "--out", str(out), *flags]
-                code, stderr = runs[0].run(argv, out_dir / key, timeout=900)
+                code, stderr = forked.engine_run(argv, out_dir / key, timeout=900)
                 if fails:
                     assert code != 0, "the engine was expected to refuse these settings"
                     stderr_file.write_text(stderr)

@@ -1,4 +1,5 @@
-"""Engine runs forked from one process that has imported vLLM already, instead of each from a fresh interpreter.
+"""Engine runs and ``vllm`` commands forked from one process that has imported vLLM already, instead of each
+from a fresh interpreter.
 
 Starting Python, torch and vLLM is most of a small engine run. A
 ``forkserver`` imports them once, with the settings every ``engine_run.py``
@@ -12,6 +13,11 @@ forked; a tiny model's 14 to 15 s and 4.6 to 5.4 s; a refused start 8.8 s
 and 0.2 s. On 2026-11-28, a tiny model's forked run: 5.1 to 5.2 s; 3.3 to
 3.6 s with the sampler's kernel compiled in the server; 2.6 to 2.7 s with
 vLLM's explicit garbage collections skipped too.
+
+A ``vllm`` command runs the console script's own ``main`` in a forked
+process, in the environment the test gives it: the plugin loads from its
+entry point there, as in a command of its own (one that fails on its options
+took 8 s from its own interpreter).
 """
 
 from __future__ import annotations
@@ -44,11 +50,19 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_
 
 
 def _no_collection(generation: int = 2) -> int:
-    """``gc.collect`` in a forked run (``_run``): nothing collected."""
+    """``gc.collect`` in a forked engine run (``_engine_run``): nothing collected."""
     return 0
 
 
-def _run(argv: list[str], stdout: str, stderr: str) -> None:
+def _output_to(stdout: str, stderr: str) -> None:
+    """In the forked process: file descriptors 1 and 2 write to these files."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+
+
+def _engine_run(argv: list[str], stdout: str, stderr: str) -> None:
     """In the forked process: ``engine_run.py *argv`` with its output in two files, exiting as the script would.
 
     What the server imported is frozen out of the garbage collector first: vLLM collects several times while it
@@ -59,10 +73,7 @@ def _run(argv: list[str], stdout: str, stderr: str) -> None:
     """
     gc.freeze()
     gc.collect = _no_collection
-    for fd, path in ((1, stdout), (2, stderr)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(file, fd)
-        os.close(file)
+    _output_to(stdout, stderr)
     from tests.e2e import engine_run
 
     sys.argv = [engine_run.__file__, *argv]
@@ -73,11 +84,30 @@ def _run(argv: list[str], stdout: str, stderr: str) -> None:
     sys.exit(code)
 
 
-class ForkedEngineRuns:
-    """Starts the forkserver (with ``RUN_ENV`` for it alone) and runs ``engine_run.py`` in processes forked from it."""
+def _vllm_command(argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    """In the forked process: ``vllm *argv`` in ``env``, as the console script runs it (its exit status is the
+    process's, an uncaught exception's traceback goes to stderr)."""
+    os.environ.clear()
+    os.environ.update(env)
+    _output_to(stdout, stderr)
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    try:
+        main()
+    finally:
+        atexit._run_exitfuncs()
+
+
+class ForkedRuns:
+    """Processes forked from one forkserver: ``engine_run.py`` runs and ``vllm`` commands. The server starts at
+    the first (with ``RUN_ENV`` for it alone), so a test worker that needs none starts none."""
 
     def __init__(self) -> None:
         self.context = multiprocessing.get_context("forkserver")
+        self.started = False
+
+    def _start(self) -> None:
         self.context.set_forkserver_preload(list(PRELOAD))
         saved = {name: os.environ.get(name) for name in RUN_ENV}
         os.environ.update(RUN_ENV)
@@ -89,15 +119,28 @@ class ForkedEngineRuns:
                     os.environ.pop(name)
                 else:
                     os.environ[name] = value
+        self.started = True
 
-    def run(self, argv: list[str], log_stem: Path, timeout: float) -> tuple[int, str]:
-        """``engine_run.py *argv``: its exit code and its stderr (its stdout and stderr stay in ``log_stem.*``)."""
+    def _fork(self, target, args: tuple, log_stem: Path, timeout: float) -> tuple[int, str, str]:
+        """``target(*args, stdout_file, stderr_file)`` in a forked process: its exit code, stdout and stderr (which
+        stay in ``log_stem.*``)."""
+        if not self.started:
+            self._start()
         stdout, stderr = log_stem.with_suffix(".stdout"), log_stem.with_suffix(".stderr")
-        process = self.context.Process(target=_run, args=(argv, str(stdout), str(stderr)))
+        process = self.context.Process(target=target, args=(*args, str(stdout), str(stderr)))
         process.start()
         process.join(timeout)
         if process.exitcode is None:
             process.kill()
             process.join()
-            raise TimeoutError(f"engine_run.py {' '.join(argv)} ran over {timeout} s")
-        return process.exitcode, stderr.read_text()
+            raise TimeoutError(f"{target.__name__}{args} ran over {timeout} s")
+        return process.exitcode, stdout.read_text(), stderr.read_text()
+
+    def engine_run(self, argv: list[str], log_stem: Path, timeout: float) -> tuple[int, str]:
+        """``engine_run.py *argv``: its exit code and its stderr."""
+        code, _, stderr = self._fork(_engine_run, (argv,), log_stem, timeout)
+        return code, stderr
+
+    def vllm(self, argv: list[str], log_stem: Path, timeout: float, env: dict[str, str] | None = None):
+        """``vllm *argv`` (in ``env``, else this process's environment): its exit code, stdout and stderr."""
+        return self._fork(_vllm_command, (argv, dict(os.environ if env is None else env)), log_stem, timeout)

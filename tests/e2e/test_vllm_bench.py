@@ -9,8 +9,6 @@ sends are each compressed to the budget they carry.
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,22 +16,24 @@ import pytest
 from tests.e2e.conftest import SERVED_NAME
 from tests.e2e.test_server import LAYERS_X_KV_HEADS, kvpolicy_metrics
 
-VLLM = Path(sys.executable).with_name("vllm")
 BUDGET = 128  # tokens per KV head: the prompts below are several times longer
 
 
-def vllm_bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def vllm_bench(forked, log_stem: Path, *args: str) -> str:
+    """``vllm bench *args`` forked from a process that has imported vLLM (tests/conftest.py): its stdout."""
     # The throughput run's engine in its own process: on CPU vLLM would spawn its engine core, a second vLLM import.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    out = subprocess.run([VLLM, "bench", *args], capture_output=True, text=True, timeout=timeout, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+    code, stdout, stderr = forked.vllm(["bench", *args], log_stem, timeout=600, env=env)
+    assert code == 0, stderr[-3000:]
+    return stdout
 
 
 @pytest.mark.engine
-def test_vllm_bench_throughput_runs_with_the_kv_flags(model_path, tmp_path):
+def test_vllm_bench_throughput_runs_with_the_kv_flags(forked, model_path, tmp_path):
     result = tmp_path / "throughput.json"
-    out = vllm_bench(
+    stdout = vllm_bench(
+        forked,
+        tmp_path / "throughput",
         "throughput",
         "--model", str(model_path),
         "--dtype", "float32",
@@ -47,15 +47,17 @@ def test_vllm_bench_throughput_runs_with_the_kv_flags(model_path, tmp_path):
         "--num-prompts", "4",
         "--output-json", str(result),
     )  # fmt: skip
-    assert "Throughput:" in out.stdout
+    assert "Throughput:" in stdout
     report = json.loads(result.read_text())
     assert report["num_requests"] == 4 and report["tokens_per_second"] > 0
 
 
 @pytest.mark.engine
-def test_vllm_bench_serve_sends_per_request_options(server, model_path, tmp_path):
+def test_vllm_bench_serve_sends_per_request_options(forked, server, model_path, tmp_path):
     before = kvpolicy_metrics(server)
     vllm_bench(
+        forked,
+        tmp_path / "serve",
         "serve",
         "--backend", "openai",
         "--base-url", server,

@@ -11,7 +11,8 @@ import pytest
 
 BIN = Path(sys.executable).parent
 #: A vLLM command's start (imports and argument parsing): a test worker runs on one core, beside the other's
-#: engines (tests/conftest.py).
+#: engines (tests/conftest.py). The console script itself runs once (``test_vllm_cli_runs``); the other commands
+#: run its ``main`` in processes forked from one that has imported vLLM (``forked``, tests/conftest.py).
 CLI_TIMEOUT_S = 300
 
 
@@ -38,11 +39,9 @@ def test_vllm_cli_runs():
     assert out.stdout.strip().endswith("+cpu")
 
 
-def test_serve_help_lists_the_kv_options():
-    out = subprocess.run(
-        [BIN / "vllm", "serve", "--help=KVPolicy"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_serve_help_lists_the_kv_options(forked, tmp_path):
+    code, stdout, stderr = forked.vllm(["serve", "--help=KVPolicy"], tmp_path / "help", timeout=CLI_TIMEOUT_S)
+    assert code == 0, stderr[-2000:]
     for flag in (
         "--kv-policy",
         "--kv-budget",
@@ -53,7 +52,7 @@ def test_serve_help_lists_the_kv_options():
         "--kv-recent-tokens",
         "--kv-offload",
     ):
-        assert flag in out.stdout
+        assert flag in stdout
 
 
 @pytest.mark.parametrize(
@@ -78,18 +77,13 @@ def test_serve_help_lists_the_kv_options():
         ),
     ],
 )
-def test_bad_options_fail_before_the_model_loads(model_path, args, message):
+def test_bad_options_fail_before_the_model_loads(forked, model_path, tmp_path, args, message):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    out = subprocess.run(
-        [BIN / "vllm", "serve", str(model_path), "--dtype", "float32", *args],
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        env=env,
-    )
-    assert out.returncode != 0
-    assert message in out.stderr + out.stdout
-    assert "Loading weights" not in out.stderr + out.stdout
+    argv = ["serve", str(model_path), "--dtype", "float32", *args]
+    code, stdout, stderr = forked.vllm(argv, tmp_path / "serve", timeout=CLI_TIMEOUT_S, env=env)
+    assert code != 0
+    assert message in stderr + stdout
+    assert "Loading weights" not in stderr + stdout
 
 
 @pytest.mark.parametrize(
