@@ -45,8 +45,10 @@ serve: model
 
 # Two test workers, a core each (tests/conftest.py binds each worker and its engines to its own core); a
 # file's tests stay on one worker, so they share its engines, and the server's files on one, which starts it.
+# Files go out in collection order, the engine tests first (tests/conftest.py), not by their number of tests.
 TEST_WORKERS ?= 2
-PYTEST_SUITE = $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+PYTEST_SUITE = $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	$(PYTEST_ARGS)
 test: model prometheus
 	$(PYTEST_SUITE)
 

@@ -57,8 +57,15 @@ def pytest_xdist_make_scheduler(config, log):
     return ServerFilesTogether(config, log)
 
 
+#: The files that start engines and servers: tens of seconds each, where a unit or kernel file takes seconds.
+ENGINE_TESTS = "tests/e2e/"
+
+
 def pytest_collection_modifyitems(items):
-    """A test of the server outside ``SERVER_FILES`` would make a second worker start its own."""
+    """The engine tests first, so that the quick files fill the end of both workers' runs (with
+    ``--no-loadscope-reorder``, xdist hands out files in this order, the next to the worker that finishes
+    first); and a test of the server outside ``SERVER_FILES`` would make a second worker start its own."""
+    items.sort(key=lambda item: not item.nodeid.startswith(ENGINE_TESTS))
     strays = [
         item.nodeid
         for item in items
