@@ -121,9 +121,9 @@ class ForkedRuns:
                     os.environ[name] = value
         self.started = True
 
-    def _fork(self, target, args: tuple, log_stem: Path, timeout: float) -> tuple[int, str, str]:
-        """``target(*args, stdout_file, stderr_file)`` in a forked process: its exit code, stdout and stderr (which
-        stay in ``log_stem.*``)."""
+    def _fork(self, command: str, target, args: tuple, log_stem: Path, timeout: float) -> tuple[int, str, str]:
+        """``target(*args, stdout_file, stderr_file)``, which runs ``command``, in a forked process: its exit code,
+        stdout and stderr (which stay in ``log_stem.*``)."""
         if not self.started:
             self._start()
         stdout, stderr = log_stem.with_suffix(".stdout"), log_stem.with_suffix(".stderr")
@@ -133,14 +133,17 @@ class ForkedRuns:
         if process.exitcode is None:
             process.kill()
             process.join()
-            raise TimeoutError(f"{target.__name__}{args} ran over {timeout} s")
+            raise TimeoutError(f"{command} ran over {timeout} s")
         return process.exitcode, stdout.read_text(), stderr.read_text()
 
     def engine_run(self, argv: list[str], log_stem: Path, timeout: float) -> tuple[int, str]:
         """``engine_run.py *argv``: its exit code and its stderr."""
-        code, _, stderr = self._fork(_engine_run, (argv,), log_stem, timeout)
+        code, _, stderr = self._fork(f"engine_run.py {' '.join(argv)}", _engine_run, (argv,), log_stem, timeout)
         return code, stderr
 
-    def vllm(self, argv: list[str], log_stem: Path, timeout: float, env: dict[str, str] | None = None):
+    def vllm(
+        self, argv: list[str], log_stem: Path, timeout: float, env: dict[str, str] | None = None
+    ) -> tuple[int, str, str]:
         """``vllm *argv`` (in ``env``, else this process's environment): its exit code, stdout and stderr."""
-        return self._fork(_vllm_command, (argv, dict(os.environ if env is None else env)), log_stem, timeout)
+        env = dict(os.environ if env is None else env)
+        return self._fork(f"vllm {' '.join(argv)}", _vllm_command, (argv, env), log_stem, timeout)
