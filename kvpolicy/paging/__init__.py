@@ -3,7 +3,14 @@
 from kvpolicy.paging.layout import PageLayout
 from kvpolicy.paging.offload import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, SparseCall, offload_blocks
 from kvpolicy.paging.page_store import PageStore, virtual_tokens
-from kvpolicy.paging.page_table import RequestPages, TokenMoves, relocation_blocks, stock_slots, write_order
+from kvpolicy.paging.page_table import (
+    RequestPages,
+    TokenMoves,
+    relocation_blocks,
+    stock_page_tables,
+    stock_slots,
+    write_order,
+)
 from kvpolicy.paging.shared import (
     DecodeTables,
     DistantLogitRows,
@@ -31,6 +38,7 @@ __all__ = [
     "relocation_blocks",
     "layout_blocks",
     "offload_blocks",
+    "stock_page_tables",
     "stock_slots",
     "virtual_tokens",
     "write_order",

@@ -43,6 +43,14 @@ def stock_slots(
     return (first_page + pages + heads[:, None]) * block_size + positions % block_size
 
 
+def stock_page_tables(block_table: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[rows * num_heads, width] one-head page tables of rows in vLLM's stock layout, ordered (row, head):
+    row r's head h reads pages ``block_table[r] * num_heads + h``."""
+    rows, width = block_table.shape
+    heads = torch.arange(num_heads, device=block_table.device)
+    return (block_table.long()[:, None, :] * num_heads + heads[None, :, None]).reshape(rows * num_heads, width)
+
+
 def page_slots(pages: Sequence[int], count: int, block_size: int) -> torch.Tensor:
     """One-head slots of the first ``count`` tokens written densely over ``pages``."""
     positions = torch.arange(count)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpolicy.paging import PageLayout, RequestPages, write_order
+from kvpolicy.paging import PageLayout, RequestPages, stock_page_tables, stock_slots, write_order
 
 BS, D, H = 4, 3, 2
 
@@ -291,3 +291,16 @@ def test_pooled_layers_hand_back_what_the_per_layer_pools_must_hold():
     assert len(per_layer.blocks_to_keep(6 * BS)) == 4
     assert len(pooled.blocks_to_keep(6 * BS)) == 3
     assert len(pooled.blocks_to_keep(None)) == 4
+
+
+def test_stock_page_tables_list_the_pages_stock_slots_write():
+    """Row r's head h reads, in page order, the pages vLLM's stock layout writes its tokens to."""
+    block_table = torch.tensor([[3, 0, 7], [5, 2, 1]], dtype=torch.int32)
+    tables = stock_page_tables(block_table, H)
+    assert tables.shape == (2 * H, 3)
+    positions = torch.arange(3 * BS)
+    for row, blocks in enumerate(block_table):
+        slots = stock_slots(blocks, H, BS, positions, torch.arange(H))
+        for head in range(H):
+            assert tables[row * H + head].tolist() == (slots[head, ::BS] // BS).tolist()
+    assert stock_page_tables(torch.zeros(0, 0, dtype=torch.int64), H).shape == (0, 0)

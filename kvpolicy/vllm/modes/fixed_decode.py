@@ -23,6 +23,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from kvpolicy.paging import stock_page_tables
 from kvpolicy.policies import Mode, Policy
 from kvpolicy.vllm.modes.base import HostBatch, ModePath, StepShape
 from kvpolicy.vllm.ops import KVOps
@@ -150,7 +151,7 @@ class FixedDecode:
         lengths = batch.seq_lens.numpy()[stock_rows].astype(np.int64)
         blocks = batch.block_table.numpy()[stock_rows].astype(np.int64)
         width = int(shape.num_blocks(lengths.max())) if len(stock_rows) else 0
-        stock_tables = ((blocks[:, None, :width] * heads) + head[None, :, None]).reshape(len(stock), width)
+        stock_tables = stock_page_tables(torch.from_numpy(blocks[:, :width]), heads).numpy()
         last = np.repeat(lengths - 1, heads)  # each sequence's new token, in its page from the table
         stock_slots = stock_tables[np.arange(len(stock)), last // block_size] * block_size + last % block_size
         inputs = FixedDecodeInputs(

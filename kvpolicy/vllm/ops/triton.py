@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import virtual_tokens
+from kvpolicy.paging import stock_page_tables, virtual_tokens
 from kvpolicy.vllm.ops.base import KVOps
 from kvpolicy.vllm.ops.staging import StagedStep, copy_to
 from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
@@ -68,19 +68,17 @@ def plan_virtual_sequences(
     qsl = query_start_loc.long()
     counts = qsl[1:] - qsl[:-1]
     rows = counts.numel()
-    heads = torch.arange(kv_heads, device=block_table.device)
     virtual_counts = counts.repeat_interleave(kv_heads)
     virtual_qsl = torch.zeros(rows * kv_heads + 1, dtype=torch.int32)
     virtual_qsl[1:] = virtual_counts.cumsum(0)
     row, head, nth = virtual_tokens(counts.numpy(), kv_heads)
-    table = block_table.long()[:, None, :] * kv_heads + heads[None, :, None]
     return VirtualSequences(
         max_query_len=_max_query_len(virtual_qsl),
         local_token=torch.from_numpy(qsl.numpy()[row] + nth),
         head_of=torch.from_numpy(head),
         query_start_loc=virtual_qsl,
         seq_lens=seq_lens.repeat_interleave(kv_heads),
-        page_table=table.reshape(rows * kv_heads, -1).to(torch.int32),  # one dtype with the per-head tables
+        page_table=stock_page_tables(block_table, kv_heads).to(torch.int32),  # one dtype with the per-head tables
     )
 
 
