@@ -66,8 +66,8 @@ def test_requests_the_host_pool_cannot_take_stay_resident_beside_offloaded_ones(
         assert a == b, f"request {i}: tokens or logprobs differ in a batch of offloaded and resident rows"
 
 
-#: A 16-block pool (2,048 tokens) for the default prompts (23 blocks in all) and 200 output tokens each.
-TIGHT = ("--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "200")
+#: A 16-block pool (2,048 tokens) for the default prompts (23 blocks in all) and 150 output tokens each.
+TIGHT = ("--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "150")
 
 
 def test_blocks_offload_returns_let_vllm_run_without_preempting(engine_run):
@@ -80,7 +80,7 @@ def test_blocks_offload_returns_let_vllm_run_without_preempting(engine_run):
 
 def test_preempted_offloaded_requests_are_offloaded_again_and_every_block_returns(engine_run):
     run = engine_run(
-        "--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "500", "--offload", "1"
+        "--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "350", "--offload", "1"
     )
     assert run["preemptions"] > 0
     assert run["counters"]["offloaded_requests"] > 3, "a recomputed request moves to the host pool again"
