@@ -30,9 +30,10 @@ import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
-#: Imported once by the server, in the order a run first imports them; the last compiles vLLM's logprob rank
-#: kernel, which every run would otherwise compile again (``sampler_warmup.py``). None is CPU-only (the CPU model
-#: runner extends the GPU one): on CUDA the runs must fork before CUDA starts, as vLLM requires (not yet run on a GPU).
+#: Imported once by the server, in the order a run first imports them (0.15 s of a tiny model's run was importing
+#: the ones after ``llama``); the last does work each run would otherwise repeat (``forkserver_warmup.py``). None
+#: is CPU-only (the CPU model runner extends the GPU one): on CUDA the runs must fork before CUDA starts, as vLLM
+#: requires (not yet run on a GPU).
 PRELOAD = (
     "torch",
     "transformers",
@@ -43,7 +44,19 @@ PRELOAD = (
     "vllm.v1.engine.core",
     "vllm.v1.worker.gpu_model_runner",
     "vllm.model_executor.models.llama",
-    "tests.e2e.sampler_warmup",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.layers.quantization.online.base",
+    "vllm.model_executor.warmup.kernel_warmup",
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.v1.watermarking.factory",
+    "vllm.distributed.aux_output_connector.worker",
+    "vllm.v1.kv_offload.factory",
+    "vllm.distributed.elastic_ep.elastic_execute",
+    "vllm.plugins.lora_resolvers.filesystem_resolver",
+    "numpy.ma",
+    "tests.e2e.forkserver_warmup",
 )
 #: What ``engine_run.main`` sets in every run, set before the imports too (OpenMP reads its thread count at load).
 RUN_ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_ATTN_SPLIT_KV": "0"}
@@ -52,6 +65,14 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_
 def _no_collection(generation: int = 2) -> int:
     """``gc.collect`` in a forked engine run (``_engine_run``): nothing collected."""
     return 0
+
+
+def _inherit_server_work() -> None:
+    """In the forked process: what the server registered once is not registered again (``forkserver_warmup.py``,
+    one of the server's modules: importing it runs nothing anew)."""
+    from tests.e2e.forkserver_warmup import skip_inherited_registration
+
+    skip_inherited_registration()
 
 
 def _output_to(stdout: str, stderr: str) -> None:
@@ -73,6 +94,7 @@ def _engine_run(argv: list[str], stdout: str, stderr: str) -> None:
     """
     gc.freeze()
     gc.collect = _no_collection
+    _inherit_server_work()
     _output_to(stdout, stderr)
     from tests.e2e import engine_run
 
@@ -89,6 +111,7 @@ def _vllm_command(argv: list[str], env: dict[str, str], stdout: str, stderr: str
     process's, an uncaught exception's traceback goes to stderr)."""
     os.environ.clear()
     os.environ.update(env)
+    _inherit_server_work()
     _output_to(stdout, stderr)
     from vllm.entrypoints.cli.main import main
 
