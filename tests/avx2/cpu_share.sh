@@ -2,10 +2,11 @@
 # cpu_share.sh SHARE COMMAND...: run COMMAND with each core left SHARE of its time, as on cores 1/SHARE times slower.
 #
 # Beside it, one busy loop per core, pinned there, takes the rest: each loop in a cgroup of its own whose CPU
-# quota is (1 - SHARE) of a core in 10 ms periods. The scheduler splits a core fairly between the loop and
-# COMMAND's process running there, so that process gets SHARE of the core whether the other core is busy
-# or not (a quota on COMMAND itself would let one process use the idle core's share). `make test-avx2
-# CPU_SHARE=0.55` uses it. Needs a writable cgroup CPU controller (root; v1 or v2).
+# quota is (1 - SHARE) of a core in 10 ms periods, and whose weight is the highest, so that it gets that
+# quota however many of COMMAND's threads are runnable there (at the default weight, a process that started
+# many threads starved the loops: its engine ran at full speed). COMMAND gets SHARE of each core whether the
+# other core is busy or not (a quota on COMMAND itself would let one process use the idle core's share).
+# `make test-avx2 CPU_SHARE=0.55` uses it. Needs a writable cgroup CPU controller (root; v1 or v2).
 set -euo pipefail
 
 usage="usage: cpu_share.sh SHARE COMMAND... (SHARE: the fraction of each core's time left, 0 < SHARE < 1)"
@@ -18,10 +19,10 @@ quota=$(awk -v s="$share" -v p="$period" 'BEGIN { if (s > 0 && s < 1) printf "%d
 
 if grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then # cgroup v2
   parent=/sys/fs/cgroup
-  limit() { echo "$quota $period" >"$1/cpu.max"; }
+  limit() { echo "$quota $period" >"$1/cpu.max" && echo 10000 >"$1/cpu.weight"; }
 elif [ -w /sys/fs/cgroup/cpu ]; then # cgroup v1
   parent=/sys/fs/cgroup/cpu
-  limit() { echo "$period" >"$1/cpu.cfs_period_us" && echo "$quota" >"$1/cpu.cfs_quota_us"; }
+  limit() { echo "$period" >"$1/cpu.cfs_period_us" && echo "$quota" >"$1/cpu.cfs_quota_us" && echo 262144 >"$1/cpu.shares"; }
 else
   echo "cpu_share.sh: no writable cgroup CPU controller here (run as root, or leave CPU_SHARE unset)" >&2
   exit 1
