@@ -57,7 +57,8 @@ test: model prometheus
 AVX2_ENV := KVPOLICY_EMULATE_AVX2=1 PYTHONPATH=$(CURDIR)/tests/avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell \
 	NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
-# CPU_SHARE=0.55: each core also left 0.55 of its time (tests/avx2/cpu_share.sh; root), as on a core 1.8x slower.
+# CPU_SHARE=0.4: each core also left 0.4 of its time (tests/avx2/cpu_share.sh; root), as on cores 2.5x slower
+# (about as slow as the AVX2 EPYC the README names).
 test-avx2: model prometheus
 	$(if $(CPU_SHARE),tests/avx2/cpu_share.sh $(CPU_SHARE)) env $(AVX2_ENV) $(PYTEST_SUITE)
 

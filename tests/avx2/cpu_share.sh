@@ -6,7 +6,7 @@
 # quota however many of COMMAND's threads are runnable there (at the default weight, a process that started
 # many threads starved the loops: its engine ran at full speed). COMMAND gets SHARE of each core whether the
 # other core is busy or not (a quota on COMMAND itself would let one process use the idle core's share).
-# `make test-avx2 CPU_SHARE=0.55` uses it. Needs a writable cgroup CPU controller (root; v1 or v2).
+# `make test-avx2 CPU_SHARE=0.4` uses it. Needs a writable cgroup CPU controller (root; v1 or v2).
 set -euo pipefail
 
 usage="usage: cpu_share.sh SHARE COMMAND... (SHARE: the fraction of each core's time left, 0 < SHARE < 1)"

@@ -12,7 +12,10 @@ model's mixed batch 19.5 to 21 s from its own interpreter, 10 to 10.5 s
 forked; a tiny model's 14 to 15 s and 4.6 to 5.4 s; a refused start 8.8 s
 and 0.2 s. On 2026-11-28, a tiny model's forked run: 5.1 to 5.2 s; 3.3 to
 3.6 s with the sampler's kernel compiled in the server; 2.6 to 2.7 s with
-vLLM's explicit garbage collections skipped too.
+vLLM's explicit garbage collections skipped too. On 2026-11-29, a tiny
+model's run of three short prompts: 1.36 s; 0.55 s with a pool sized to the
+run (``engine_run.py``), the rest of a run's imports preloaded and vLLM's
+kernel registration inherited (``forkserver_warmup.py``).
 
 A ``vllm`` command runs the console script's own ``main`` in a forked
 process, in the environment the test gives it: the plugin loads from its
