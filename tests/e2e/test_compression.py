@@ -130,8 +130,9 @@ def test_preempted_relocated_requests_recompute_like_stock(engine_run):
     Not bitwise in logprobs: stock vLLM itself is not, run to run, once it
     preempts (we saw the last steps of a request differ between two stock runs).
     """
-    stock = engine_run("--stock", *TIGHT)
-    identity = engine_run("--policy", "identity", *TIGHT)
+    preempting = ("--pool-mib", "96", "--max-tokens", "150")  # the same pool: stock preempts by 150 tokens
+    stock = engine_run("--stock", *preempting)
+    identity = engine_run("--policy", "identity", *preempting)
     assert stock["preemptions"] > 0 and identity["preemptions"] == stock["preemptions"]
     for i, (a, b) in enumerate(zip(stock["requests"], identity["requests"])):
         assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
