@@ -235,6 +235,11 @@ def keep_async_scheduling_on_cpu() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_keeping_async)
 
 
+def kv_token_bytes(num_layers: int, kv_heads: int, head_size: int, itemsize: int) -> int:
+    """K and V of one token in every layer."""
+    return 2 * num_layers * kv_heads * head_size * itemsize
+
+
 def roomy_pool_bytes(args) -> int:
     """A CPU pool that holds every request of the run at once twice over, and two of ``--max-model-len``: room
     to spare, as vLLM's 1 GiB default had for these models, without zeroing a GiB in every run (a third of a
@@ -243,7 +248,7 @@ def roomy_pool_bytes(args) -> int:
         config = json.load(f)
     head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    token_bytes = 2 * config["num_hidden_layers"] * kv_heads * head_size * 4  # K and V in float32
+    token_bytes = kv_token_bytes(config["num_hidden_layers"], kv_heads, head_size, itemsize=4)  # float32 runs
     run_tokens = sum(args.shared_prefix + n + args.max_tokens for n in args.prompt_lens)
     return 2 * max(run_tokens, args.max_model_len) * token_bytes
 
@@ -418,14 +423,11 @@ def main() -> int:
     preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
     config = llm.llm_engine.vllm_config
     model = config.model_config
-    block_bytes = (  # K and V of one block in every layer
-        2
-        * model.hf_config.num_hidden_layers
-        * model.hf_config.num_key_value_heads
-        * config.cache_config.block_size
-        * model.get_head_size()
-        * model.dtype.itemsize
+    hf = model.hf_config
+    token_bytes = kv_token_bytes(
+        hf.num_hidden_layers, hf.num_key_value_heads, model.get_head_size(), model.dtype.itemsize
     )
+    block_bytes = config.cache_config.block_size * token_bytes
     summary = {
         "ops": None if args.stock else llm.collective_rpc(_ops_name)[0],
         "kernel_variants": None
