@@ -52,15 +52,12 @@ PYTEST_SUITE = $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 test: model prometheus
 	$(PYTEST_SUITE)
 
-# The suite as on an x86 CPU without AVX-512, on one that has it (tests/avx2/sitecustomize.py): vLLM's AVX2 build
-# and AVX2 code in ATen, oneDNN, MKL, OpenBLAS and NumPy. What the instruction set costs, not an older core's speed.
-AVX2_ENV := KVPOLICY_EMULATE_AVX2=1 PYTHONPATH=$(CURDIR)/tests/avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-	MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell \
-	NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
+# The suite as on an x86 CPU without AVX-512, on one that has it (tests/avx2/avx2.sh): vLLM's AVX2 build and AVX2
+# code in ATen, oneDNN, MKL, OpenBLAS and NumPy. What the instruction set costs, not an older core's speed.
 # CPU_SHARE=0.4: each core also left 0.4 of its time (tests/avx2/cpu_share.sh; root), as on cores 2.5x slower
 # (about as slow as the AVX2 EPYC the README names).
 test-avx2: model prometheus
-	$(if $(CPU_SHARE),tests/avx2/cpu_share.sh $(CPU_SHARE)) env $(AVX2_ENV) $(PYTEST_SUITE)
+	$(if $(CPU_SHARE),tests/avx2/cpu_share.sh $(CPU_SHARE)) tests/avx2/avx2.sh $(PYTEST_SUITE)
 
 # ruff's lint and format check, configured in pyproject.toml (CI runs it before the tests).
 lint: $(VENV)/.deps

@@ -2,7 +2,7 @@
 as on an x86 CPU without AVX-512.
 
 On ``PYTHONPATH`` this module is imported at interpreter start. torch's ISA probes then answer no AVX-512, so
-vLLM loads its AVX2 build (``vllm._C_AVX2``) and picks its AVX2 paths; the Makefile's variables make ATen,
+vLLM loads its AVX2 build (``vllm._C_AVX2``) and picks its AVX2 paths; ``avx2.sh``'s variables make ATen,
 oneDNN, MKL, OpenBLAS and NumPy dispatch AVX2 code. kvpolicy's own C++ ops stay built for the machine
 (``-march=native``). It measures what the instruction set costs, not an older core's speed.
 """
