@@ -120,8 +120,10 @@ def test_kept_indices_on_captured_tensors_equal_the_reference(captured, layer):
     assert [k.tolist() for k in pyramid] == reference_keep([capacity] * heads, scores, length, WINDOW)
 
 
-#: A 16-block pool (2,048 tokens) and 200 output tokens each: vLLM must preempt and recompute.
-TIGHT = ("--pool-mib", "96", "--max-tokens", "200")
+#: A 16-block pool (2,048 tokens) for the default prompts (23 blocks in all).
+POOL_16_BLOCKS = ("--pool-mib", "96")
+#: That pool and 200 output tokens each: vLLM must preempt and recompute.
+TIGHT = (*POOL_16_BLOCKS, "--max-tokens", "200")
 
 
 def test_preempted_relocated_requests_recompute_like_stock(engine_run):
@@ -130,7 +132,7 @@ def test_preempted_relocated_requests_recompute_like_stock(engine_run):
     Not bitwise in logprobs: stock vLLM itself is not, run to run, once it
     preempts (we saw the last steps of a request differ between two stock runs).
     """
-    preempting = ("--pool-mib", "96", "--max-tokens", "150")  # the same pool: stock preempts by 150 tokens
+    preempting = (*POOL_16_BLOCKS, "--max-tokens", "150")  # stock preempts by 150 tokens
     stock = engine_run("--stock", *preempting)
     identity = engine_run("--policy", "identity", *preempting)
     assert stock["preemptions"] > 0 and identity["preemptions"] == stock["preemptions"]
