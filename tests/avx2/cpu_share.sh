@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# cpu_share.sh SHARE COMMAND...: run COMMAND with each core left SHARE of its time, as on cores 1/SHARE times slower.
+# cpu_share.sh SHARE COMMAND...: run COMMAND with each core left SHARE of its time, as on slower cores (an engine run
+# took 2.7x as long at 0.55 and 3.7x at 0.4 with AVX2 code, more than 1/SHARE: benchmarks/emulated_cpu.py).
 #
 # Beside it, one busy loop per core, pinned there, takes the rest: each loop in a cgroup of its own whose CPU
 # quota is (1 - SHARE) of a core in 10 ms periods, and whose weight is the highest, so that it gets that
