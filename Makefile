@@ -28,6 +28,7 @@ $(VENV)/.csrc: $(VENV)/.deps $(wildcard csrc/*.cpp csrc/*.h) csrc/setup.py csrc/
 # Reinstall kvpolicy itself from this checkout every time (seconds): vLLM loads
 # the plugin from site-packages in every process, so it must be current.
 install: $(VENV)/.csrc
+	rm -rf build  # setuptools keeps modules removed from the checkout in build/lib
 	$(BIN)/pip install -q --no-deps --force-reinstall .
 
 model: install

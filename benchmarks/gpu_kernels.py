@@ -159,9 +159,9 @@ def flash_run(query, cache, geom, token, head, starts, seq_lens, table) -> Flash
     try:
         from vllm.vllm_flash_attn import fa_version_unsupported_reason, flash_attn_varlen_func
 
-        from kvpolicy.vllm.ops.flash_varlen import flash_pages, flash_varlen_call
-        from kvpolicy.vllm.ops.triton import VirtualSequences
-        from kvpolicy.vllm.step import AttentionBatch, HeadRows
+        from kvpolicy.vllm.worker.ops.flash_varlen import flash_pages, flash_varlen_call
+        from kvpolicy.vllm.worker.ops.triton import VirtualSequences
+        from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows
     except Exception as error:  # a CPU build, no vLLM, or a vLLM that does not load with this torch
         return f"vllm.vllm_flash_attn or kvpolicy's vLLM package is not importable: {error}"
     reason = fa_version_unsupported_reason(3)

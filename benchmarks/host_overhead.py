@@ -60,14 +60,14 @@ from tqdm import tqdm
 os.environ.setdefault("TRITON_INTERPRET", "1")  # TritonOps refuses to start without a GPU otherwise; no kernel runs
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
-import kvpolicy.vllm.ops.triton as triton_ops  # noqa: E402
+import kvpolicy.vllm.worker.ops.triton as triton_ops  # noqa: E402
 from benchmarks.common import RESULTS_DIR, write_results  # noqa: E402
 from kvpolicy.config import KVPolicyConfig  # noqa: E402
-from kvpolicy.vllm.modes import StepShape, fixed_decode, make_mode, make_path  # noqa: E402
-from kvpolicy.vllm.ops import staging  # noqa: E402
-from kvpolicy.vllm.state import WorkerState  # noqa: E402
-from kvpolicy.vllm.step import FixedDecodeStep  # noqa: E402
-from kvpolicy.vllm.step_builder import StepBuilder  # noqa: E402
+from kvpolicy.vllm.worker.modes import StepShape, fixed_decode, make_mode, make_path  # noqa: E402
+from kvpolicy.vllm.worker.ops import staging  # noqa: E402
+from kvpolicy.vllm.worker.state import WorkerState  # noqa: E402
+from kvpolicy.vllm.worker.step import FixedDecodeStep  # noqa: E402
+from kvpolicy.vllm.worker.step_builder import StepBuilder  # noqa: E402
 
 SHAPE = {"num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16}
 CONTEXT, BUDGET, CHUNK = 4096, 1024, 2048

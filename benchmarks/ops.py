@@ -34,7 +34,7 @@ import kvpolicy_csrc  # noqa: E402
 from benchmarks.common import RESULTS_DIR, plot_timings, write_results  # noqa: E402
 from kvpolicy.policies.h2o import attention_column_sums, new_token_attention  # noqa: E402
 from kvpolicy.policies.omnikv import context_scores, page_sums  # noqa: E402
-from kvpolicy.vllm.ops.cpu import cpu_geometry, one_head_pages, page_layout  # noqa: E402
+from kvpolicy.vllm.worker.ops.cpu import cpu_geometry, one_head_pages, page_layout  # noqa: E402
 
 KV_HEADS, Q_HEADS, HEAD_SIZE, BLOCK_SIZE = 3, 9, 64, 128
 SCALE = 1 / math.sqrt(HEAD_SIZE)

@@ -344,3 +344,10 @@ class KVPolicyConfig:
         if unknown:
             raise KVPolicyConfigError(f"unknown kv_policy options: {sorted(unknown)}")
         return cls(**values)
+
+    @classmethod
+    def stored_in(cls, additional_config: dict | None) -> KVPolicyConfig | None:
+        """The config start-up stored in vLLM's ``additional_config`` (which vLLM copies to every process);
+        None when no policy was asked for."""
+        values = (additional_config or {}).get(cls.ADDITIONAL_CONFIG_KEY)
+        return None if values is None else cls.from_dict(values)

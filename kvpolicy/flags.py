@@ -1,7 +1,7 @@
 """The ``--kv-*`` flags, each read from its option's field, and the tables the docs show of them.
 
 The engine's options are ``KVPolicyConfig``'s fields; a policy's are its dataclass fields (its parts'
-options). ``kvpolicy/vllm/args.py`` builds the CLI from ``FLAGS``; the README's options table and
+options). ``kvpolicy/vllm/startup/args.py`` builds the CLI from ``FLAGS``; the README's options table and
 docs/policies.md's composition table are generated here and checked by ``tests/unit/test_flags.py``:
 
     python -m kvpolicy.flags --write    # rewrite both tables from the source

@@ -40,7 +40,7 @@ sampler imports FlashInfer otherwise, and the bundle leaves it out). Per row,
 ``step_ms`` is the mean of vLLM's own inter-token latency histogram over the
 timed run (each request's time between two output tokens: a decode step, and
 the prefills it waited behind). The rows in ``DIAGNOSED`` also carry
-kvpolicy's diagnostics (``kvpolicy/vllm/diagnostics.py``): the host
+kvpolicy's diagnostics (``kvpolicy/vllm/worker/diagnostics.py``): the host
 synchronisations inside its calls, and a profile of 20 decode steps.
 
 Compilation (the same for every config, so rows compare like with like):
@@ -83,7 +83,7 @@ sys.path.append(str(ROOT))
 
 from benchmarks.common import RESULTS_DIR, markdown_table, metric_total, provenance, write_json  # noqa: E402
 
-#: kvpolicy's diagnostics switch (kvpolicy/vllm/diagnostics.py), named here so this script imports no kvpolicy.
+#: kvpolicy's diagnostics switch (kvpolicy/vllm/worker/diagnostics.py), named here so this script imports no kvpolicy.
 DIAGNOSE_ENV = "KVPOLICY_DIAGNOSE"
 
 #: Where `prepare` puts what travels to the GPU machine (an ignored folder: carried, not committed).
@@ -620,7 +620,7 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
 
 def read_diagnostics(folder: Path) -> dict:
     """A diagnosed row's host synchronisations inside kvpolicy's calls (every worker's, added up) and each
-    worker's profile summary (``kvpolicy/vllm/diagnostics.py``)."""
+    worker's profile summary (``kvpolicy/vllm/worker/diagnostics.py``)."""
     syncs = [json.loads(p.read_text()) for p in sorted(folder.glob("syncs-*.json"))]
     profiles = [json.loads(p.read_text()) for p in sorted(folder.glob("profile-*.json"))]
     found = {}

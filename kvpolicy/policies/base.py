@@ -115,7 +115,7 @@ class ModeTraits:
 
 class Mode(enum.Enum):
     """How the engine runs a policy; each mode has its own per-request state, step builder and attention
-    path (``kvpolicy/vllm/modes/``), and what the engine must know of it up front (``traits``)."""
+    path (``kvpolicy/vllm/worker/modes/``), and what the engine must know of it up front (``traits``)."""
 
     #: vLLM's own layout and attention, untouched (``none``).
     STOCK = ModeTraits("stock", changes_attention=False)

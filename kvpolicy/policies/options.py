@@ -1,7 +1,7 @@
 """Options declared once: a dataclass field with its help, its ``--kv-*`` flag and its check.
 
 A policy's options are the fields of its parts (scorer, allocators, rewrite) or of its own class; the
-CLI (``kvpolicy/vllm/args.py``), the README's options table and ``KVPolicyConfig``'s checks are all read
+CLI (``kvpolicy/vllm/startup/args.py``), the README's options table and ``KVPolicyConfig``'s checks are all read
 from these fields (``tests/unit/test_flags.py`` fails when the README drifts from them).
 """
 

@@ -1,6 +1,6 @@
 """The only part of kvpolicy that imports vLLM. Importing it registers the plugin."""
 
-from kvpolicy.vllm.plugin import register
+from kvpolicy.vllm.startup.plugin import register
 
 register()
 

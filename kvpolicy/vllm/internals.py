@@ -4,9 +4,6 @@ Upgrading vLLM means reading this file and the call sites of what it exports.
 Anything imported from ``vllm`` elsewhere in kvpolicy goes through here.
 """
 
-import functools
-from collections.abc import Callable
-
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -129,26 +126,6 @@ def stop_caching(kv_cache_manager, req_id: str, positions: set[int]) -> None:
         manager.num_cached_block[req_id] = NEVER_CACHE
 
 
-def reserve_for_admissions(kv_cache_manager, reserved: Callable[[], int]) -> None:
-    """Admit a request (one that holds no block yet) only if ``reserved()`` blocks stay free besides.
-
-    ``KVCacheManager.allocate_slots`` (v1/core/kv_cache_manager.py) already
-    takes ``reserved_blocks``, blocks an allocation must leave free; the
-    scheduler passes it only for asynchronous KV loads. Running requests'
-    allocations are left as they are.
-    """
-    allocate = kv_cache_manager.allocate_slots
-    holders = kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
-
-    @functools.wraps(allocate)
-    def allocate_slots(request, *args, reserved_blocks: int = 0, **kwargs):
-        if request.request_id not in holders:
-            reserved_blocks += reserved()
-        return allocate(request, *args, reserved_blocks=reserved_blocks, **kwargs)
-
-    kv_cache_manager.allocate_slots = allocate_slots
-
-
 def held_blocks(kv_cache_manager, req_id: str) -> tuple[int, int] | None:
     """``(live blocks, block-table entries)`` of a request (entries count released ones), or None if it holds none."""
     blocks = kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id)
@@ -176,24 +153,6 @@ def full_decode_graph_rows(vllm_config) -> int:
         return 0
     max_seqs = vllm_config.scheduler_config.max_num_seqs
     return min(max_seqs, compilation.max_cudagraph_capture_size or max_seqs)
-
-
-def forbid_full_graphs_while(runner, busy: Callable[[], bool]) -> None:
-    """Make the runner's CUDA-graph dispatcher (``v1/cudagraph_dispatcher.py``: ``dispatch``, which picks a
-    step's graph from its batch shape) leave out full graphs while ``busy()``: piecewise graphs then run
-    with attention called eagerly, as vLLM does for an encoder-decoder step (``invalid_modes``). A call
-    that names its modes (a data-parallel re-dispatch to the mode the ranks agreed on) is left as it is."""
-    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
-    if dispatcher is None:
-        return
-    dispatch = dispatcher.dispatch
-
-    def dispatch_unless_busy(*args, valid_modes=None, invalid_modes=None, **kwargs):
-        if valid_modes is None and busy():
-            invalid_modes = {*(invalid_modes or ()), CUDAGraphMode.FULL}
-        return dispatch(*args, valid_modes=valid_modes, invalid_modes=invalid_modes, **kwargs)
-
-    dispatcher.dispatch = dispatch_unless_busy
 
 
 def prompt_rows_scheduled(scheduler_output, runner) -> bool:
@@ -285,6 +244,7 @@ NEVER_CACHE = 1 << 62
 
 
 __all__ = [
+    "CUDAGraphMode",
     "AsyncEngineArgs",
     "AttentionBackendEnum",
     "AttentionCGSupport",
@@ -333,7 +293,6 @@ __all__ = [
     "ensure_intermediate_tensors",
     "held_blocks",
     "host_batch_tensors",
-    "reserve_for_admissions",
     "release_blocks_except",
     "stop_caching",
     "tensor_parallel_gather",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpolicy.vllm.args import stored_config
+from kvpolicy.config import KVPolicyConfig
 from kvpolicy.vllm.internals import KVConnectorPromMetrics, KVConnectorStats
 
 #: stats key -> (Prometheus name, help)
@@ -178,7 +178,7 @@ class KVPolicyPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        config = stored_config(vllm_config.additional_config)
+        config = KVPolicyConfig.stored_in(vllm_config.additional_config)
         policy = config.policy if config else "none"
 
         def per_engine(metric) -> dict[int, Any]:

@@ -90,7 +90,7 @@ def capture_shared_attention() -> SharedAttentionRecords:
     (the query, and the keys and values it read, gathered again from its pages) and its output."""
     import torch
 
-    from kvpolicy.vllm.modes import share as sharing
+    from kvpolicy.vllm.worker.modes import share as sharing
 
     capture = SharedAttentionRecords()
     attend_layer = sharing.SharingPath._attend_shared
@@ -330,7 +330,7 @@ def main() -> int:
         import kvpolicy.vllm  # noqa: F401  (LLM(kv_policy=...) needs the options registered)
 
         if args.torch_paths:
-            from kvpolicy.vllm.ops import cpu
+            from kvpolicy.vllm.worker.ops import cpu
 
             cpu.cpu_geometry = lambda layout, cache: None  # as for a layout the C++ ops cannot address
     from vllm import LLM, SamplingParams

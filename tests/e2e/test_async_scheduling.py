@@ -1,7 +1,7 @@
 """vLLM's asynchronous scheduler gives kvpolicy's policies what its synchronous one gives, bit for bit.
 
 That scheduler (vLLM's CUDA default) schedules step N+1 before it reads step
-N's block releases (``kvpolicy/vllm/connector.py``); with prefix caching, the
+N's block releases (``kvpolicy/vllm/scheduler/connector.py``); with prefix caching, the
 blocks step N may rewrite leave the cache when N is scheduled. vLLM's CPU platform turns
 it off; ``engine_run.py --async-scheduling`` turns it back on, and vLLM's engine
 core, scheduler and model runner run it on CPU as on a GPU. The runs are those
@@ -64,7 +64,7 @@ PREFIX_RUNS = {
 @pytest.mark.engine
 @pytest.mark.parametrize("policy", sorted(PREFIX_RUNS))
 def test_with_prefix_caching_the_asynchronous_scheduler_gives_the_synchronous_outputs(engine_run, policy):
-    """The blocks a step rewrites leave the prefix cache when the step is scheduled (kvpolicy/vllm/rewrites.py),
+    """The blocks a step rewrites leave the prefix cache when the step is scheduled (kvpolicy/vllm/scheduler/rewrite_bounds.py),
     so no request scheduled before the step's report hits them: the outputs are the synchronous scheduler's,
     and the second prompt still finds the first's untouched blocks."""
     flags, synchronous_blocks, asynchronous_blocks = PREFIX_RUNS[policy]

@@ -7,10 +7,10 @@ prefix caching on, a second engine on the same files loads, and both give
 the outputs of ``omnikv`` alone, with kvpolicy's counters reported through
 the MultiConnector and every block free. Beside ``adasnap``, which packs
 pages into the blocks that connector saves, the engine refuses to start and
-says why (kvpolicy/vllm/connectors.py).
+says why (kvpolicy/vllm/startup/connector_chain.py).
 
 vLLM's offloading connector runs with kvpolicy's offloading spec
-(kvpolicy/vllm/prefix_offload.py) beside ``adasnap`` with prefix caching on:
+(kvpolicy/vllm/scheduler/prefix_offload.py) beside ``adasnap`` with prefix caching on:
 a prompt after a shared prefix loads from host chunks the prefix blocks the
 first request's packing took out of the prefix cache, and gives the outputs
 of the run without the connector; blocks copied after a relocation never

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpolicy.vllm import args
 from kvpolicy.vllm.internals import KV_CACHE_LAYOUT_ENV, MODEL_RUNNER_V2_ENV
+from kvpolicy.vllm.startup import args
 
 
 @pytest.fixture

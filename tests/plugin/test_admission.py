@@ -3,7 +3,8 @@
 from types import SimpleNamespace
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.vllm.admission import SLACK_BLOCKS, _needed_for_bound, request_kv_bound
+from kvpolicy.vllm.patches import judged_on_bound
+from kvpolicy.vllm.startup.admission import SLACK_BLOCKS, request_kv_bound
 
 
 def vllm_config(policy: str, budget: int | None, max_model_len: int = 8192):
@@ -23,7 +24,7 @@ def test_only_policies_that_evict_while_reading_are_bounded():
 
 
 def test_the_check_sees_the_bound_and_the_config_is_restored():
-    needed = _needed_for_bound(lambda config: config.model_config.max_model_len)
+    needed = judged_on_bound(lambda config: config.model_config.max_model_len, request_kv_bound)
     keydiff = vllm_config("keydiff", 256)
     assert needed(keydiff) == 256 + 512 + SLACK_BLOCKS * 128
     assert keydiff.model_config.max_model_len == 8192
@@ -32,7 +33,7 @@ def test_the_check_sees_the_bound_and_the_config_is_restored():
 
 
 def test_one_growing_request_reserves_the_blocks_it_will_append():
-    from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
+    from kvpolicy.vllm.scheduler.reservations import GrowingRequest, blocks_to_reserve
 
     # 3,000 tokens in 24 block-table entries (4 live after compression), 1,024 tokens to go: 4,024 fill 32.
     assert blocks_to_reserve([GrowingRequest(live=4, table=24, length=3000, left=1024)], 128) == 8
@@ -40,7 +41,7 @@ def test_one_growing_request_reserves_the_blocks_it_will_append():
 
 
 def test_requests_that_finish_first_give_back_what_the_others_still_need():
-    from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
+    from kvpolicy.vllm.scheduler.reservations import GrowingRequest, blocks_to_reserve
 
     early = GrowingRequest(live=10, table=30, length=3768, left=256)  # appends 2 more, then frees 12
     late = GrowingRequest(live=4, table=24, length=3000, left=1024)  # appends 2 by then, 8 in all

@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvpolicy.vllm.connector import BlockReleases, KVPolicyConnector
+from kvpolicy.vllm.scheduler.connector import BlockReleases, KVPolicyConnector
 
 BLOCK_SIZE = 32
 

@@ -15,8 +15,6 @@ import pytest
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
 from kvpolicy.policies import ModelShape
 from kvpolicy.policies.pod import LayerGroups
-from kvpolicy.vllm import args, cpu_backend, cuda_backend
-from kvpolicy.vllm.attention import KVPolicyAttention
 from kvpolicy.vllm.internals import (
     KV_CACHE_LAYOUT_ENV,
     MODEL_RUNNER_V2_ENV,
@@ -24,7 +22,10 @@ from kvpolicy.vllm.internals import (
     AttentionCGSupport,
     EngineArgs,
 )
-from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
+from kvpolicy.vllm.startup import args
+from kvpolicy.vllm.worker import cpu_backend, cuda_backend
+from kvpolicy.vllm.worker.attention import KVPolicyAttention
+from kvpolicy.vllm.worker.step_builder import KVPolicyMetadataBuilder
 
 
 @pytest.mark.parametrize(
@@ -99,7 +100,7 @@ def test_on_cuda_pages_stay_in_each_layers_cache(on_cuda):
 
 @pytest.mark.parametrize(
     "policy, prefix_caching",
-    # The blocks a step rewrites leave the prefix cache when it is scheduled (rewrites.py).
+    # The blocks a step rewrites leave the prefix cache when it is scheduled (rewrite_bounds.py).
     [("adasnap", False), ("adasnap", None), ("pod", True), ("omnikv", None)],
 )
 def test_on_cuda_every_policy_keeps_vllms_asynchronous_scheduler_prefix_caching_or_not(on_cuda, policy, prefix_caching):

@@ -4,7 +4,7 @@ request's own ``add_new_token``, bit for bit, as rows are taken, released and th
 import torch
 
 from kvpolicy.policies.h2o import add_new_token
-from kvpolicy.vllm.modes.carried import CarriedScores
+from kvpolicy.vllm.worker.modes.carried import CarriedScores
 
 HEADS = 3
 

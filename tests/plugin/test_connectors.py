@@ -1,15 +1,15 @@
 """kvpolicy's connector beside the connectors a deployment names: one vLLM MultiConnector, kvpolicy's first,
 vLLM's offloading connector with kvpolicy's offloading spec, or a refusal at startup that says why
-(kvpolicy/vllm/connectors.py)."""
+(kvpolicy/vllm/startup/connector_chain.py)."""
 
 import pytest
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
-from kvpolicy.vllm import args
-from kvpolicy.vllm.connector import KVPolicyConnectorMetadata, own_metadata
-from kvpolicy.vllm.connectors import MULTI_CONNECTOR, compose
 from kvpolicy.vllm.internals import EngineArgs, KVTransferConfig
-from kvpolicy.vllm.prefix_offload import SPEC_MODULE, SPEC_NAME
+from kvpolicy.vllm.messages import KVPolicyConnectorMetadata, own_metadata
+from kvpolicy.vllm.scheduler.prefix_offload import SPEC_MODULE, SPEC_NAME
+from kvpolicy.vllm.startup import args
+from kvpolicy.vllm.startup.connector_chain import MULTI_CONNECTOR, compose
 
 OWN = {"kv_connector": args.CONNECTOR_NAME, "kv_role": "kv_both", "kv_connector_module_path": args.CONNECTOR_MODULE}
 EXAMPLE = {

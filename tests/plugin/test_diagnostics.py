@@ -5,7 +5,14 @@ import json
 
 import torch
 
-from kvpolicy.vllm.diagnostics import DIAGNOSE_ENV, PROFILE_STEPS, SKIP_STEPS, WRITE_EVERY, Diagnostics, sync_scope
+from kvpolicy.vllm.worker.diagnostics import (
+    DIAGNOSE_ENV,
+    PROFILE_STEPS,
+    SKIP_STEPS,
+    WRITE_EVERY,
+    Diagnostics,
+    sync_scope,
+)
 
 
 def test_off_unless_asked_for(monkeypatch):

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvpolicy.policies import POLICIES
-from kvpolicy.vllm.internals import CUDAGraphMode, forbid_full_graphs_while, prompt_rows_scheduled
-from kvpolicy.vllm.modes.fixed_decode import buffer_bytes, refusal
+from kvpolicy.vllm.internals import CUDAGraphMode, prompt_rows_scheduled
+from kvpolicy.vllm.patches import forbid_full_graphs_while
+from kvpolicy.vllm.worker.modes.fixed_decode import buffer_bytes, refusal
 
 #: Policies whose decode step is a write and an attention call per layer, nothing after.
 FIXED = {"identity", "snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "streaming"}

@@ -27,11 +27,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.vllm.modes import StepShape, make_mode, make_path
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WorkerState
-from kvpolicy.vllm.step import FixedDecodeStep
-from kvpolicy.vllm.step_builder import StepBuilder
+from kvpolicy.vllm.worker.modes import StepShape, make_mode, make_path
+from kvpolicy.vllm.worker.ops import KVOps
+from kvpolicy.vllm.worker.state import WorkerState
+from kvpolicy.vllm.worker.step import FixedDecodeStep
+from kvpolicy.vllm.worker.step_builder import StepBuilder
 
 LAYERS, KV_HEADS, GROUP, HEAD_SIZE, BLOCK = 4, 2, 2, 16, 16
 CONTEXT, BUDGET, CHUNK = 160, 64, 48

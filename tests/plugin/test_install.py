@@ -96,7 +96,7 @@ def test_bad_options_fail_before_the_model_loads(forked, model_path, tmp_path, a
 def test_options_of_one_policy_parse_on_the_command_line(args, field, value):
     import argparse
 
-    from kvpolicy.vllm.args import add_arguments, config_from_options
+    from kvpolicy.vllm.startup.args import add_arguments, config_from_options
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -118,7 +118,7 @@ def test_csrc_ops_are_built_from_this_checkout():
 
 def test_missing_csrc_ops_say_how_to_build_them():
     """Never a silent fallback: without the extension the CPU ops refuse to load, saying what to run."""
-    code = "import sys; sys.modules['kvpolicy_csrc'] = None; import kvpolicy.vllm.ops.cpu"
+    code = "import sys; sys.modules['kvpolicy_csrc'] = None; import kvpolicy.vllm.worker.ops.cpu"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "make install" in out.stderr and "pip install --no-build-isolation ./csrc" in out.stderr, out.stderr[-2000:]
@@ -130,8 +130,8 @@ def test_the_parsed_namespace_carries_the_policy_to_api_servers_that_parse_it_be
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from kvpolicy.config import KVPolicyConfig
-    from kvpolicy.vllm.args import patch_engine_args
     from kvpolicy.vllm.internals import AsyncEngineArgs
+    from kvpolicy.vllm.startup.args import patch_engine_args
 
     patch_engine_args()
     namespace = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(

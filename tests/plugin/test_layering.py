@@ -88,9 +88,43 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_of_kvpolicy_imports_itself_back_through_others():
     graph = _import_graph(Path(__file__).resolve().parents[2] / "kvpolicy")
-    assert "kvpolicy.vllm.modes.relocate" in graph["kvpolicy.vllm.modes"]  # the graph is read
+    assert "kvpolicy.vllm.worker.modes.relocate" in graph["kvpolicy.vllm.worker.modes"]  # the graph is read
     assert _circles(graph) == []
 
 
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: kvpolicy.vllm's packages by process, and the packages each may import: start-up names the scheduler's and
+#: the worker's classes to vLLM, the scheduler asks the worker's modes what a step may rewrite, the worker
+#: stands alone; the modules beside them (internals, patches, messages, metrics) serve all three.
+PROCESS_PACKAGES = {
+    "kvpolicy.vllm.startup": {"kvpolicy.vllm.scheduler", "kvpolicy.vllm.worker"},
+    "kvpolicy.vllm.scheduler": {"kvpolicy.vllm.worker"},
+    "kvpolicy.vllm.worker": set(),
+    "": set(),  # kvpolicy.vllm's own modules
+}
+
+
+def _process_package(module: str) -> str | None:
+    """The process package a module of kvpolicy.vllm sits in ("" for the shared modules); None outside."""
+    for package in PROCESS_PACKAGES:
+        if package and (module == package or module.startswith(package + ".")):
+            return package
+    return "" if module.startswith("kvpolicy.vllm") else None
+
+
+def test_each_process_package_imports_only_those_below_it():
+    graph = _import_graph(Path(__file__).resolve().parents[2] / "kvpolicy")
+    assert "kvpolicy.vllm.worker.modes.relocate" in graph  # the packages exist
+    crossings = set()
+    for module, targets in graph.items():
+        source = _process_package(module)
+        if source is None or module == "kvpolicy.vllm":  # the package itself registers the plugin
+            continue
+        for target in targets:
+            package = _process_package(target)
+            if package not in (None, "", source) and package not in PROCESS_PACKAGES[source]:
+                crossings.add((module, target))
+    assert crossings == set()

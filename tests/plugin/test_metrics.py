@@ -6,8 +6,8 @@ import torch
 
 from kvpolicy.paging import RequestPages
 from kvpolicy.vllm.metrics import COUNTERS, GAUGES, PEAKS, KVPolicyStats
-from kvpolicy.vllm.modes import Relocate
-from kvpolicy.vllm.state import WorkerState
+from kvpolicy.vllm.worker.modes import Relocate
+from kvpolicy.vllm.worker.state import WorkerState
 
 BLOCK_SIZE, LAYERS = 16, 2
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpolicy.vllm.internals import CPU_ATTN_MODULE, ops
-from kvpolicy.vllm.ops.cpu import page_layout
+from kvpolicy.vllm.worker.ops.cpu import page_layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,8 +36,8 @@ def test_gather_and_page_keys_read_what_reshape_and_cache_wrote(dtype, head_size
 @pytest.mark.parametrize("row_shape", [(1, 16), (3, 16)])
 def test_a_whole_batch_reads_the_same_rows_as_its_gather(row_shape):
     """``HeadRows.whole_batch`` (a reshape, no gather) reads exactly what the gather by (token, head) reads."""
-    from kvpolicy.vllm.ops.cpu import by_head
-    from kvpolicy.vllm.step import HeadRows
+    from kvpolicy.vllm.worker.ops.cpu import by_head
+    from kvpolicy.vllm.worker.step import HeadRows
 
     tokens, heads, padded = 4, 3, 6  # vLLM may pad the batch past its tokens
     width = heads * row_shape[0] * row_shape[1]

@@ -17,9 +17,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvpolicy.config import KVPolicyConfig
-from kvpolicy.vllm import args, cuda_backend
 from kvpolicy.vllm.internals import EngineArgs
-from kvpolicy.vllm.state import PageSpace
+from kvpolicy.vllm.startup import args
+from kvpolicy.vllm.worker import cuda_backend
+from kvpolicy.vllm.worker.state import PageSpace
 
 NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 3, 2, 16, 8, 5
 SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)

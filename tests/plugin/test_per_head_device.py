@@ -19,10 +19,10 @@ import torch
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import RequestPages
-from kvpolicy.vllm.modes import make_mode, make_path
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WorkerState
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, Relocation
+from kvpolicy.vllm.worker.modes import make_mode, make_path
+from kvpolicy.vllm.worker.ops import KVOps
+from kvpolicy.vllm.worker.state import WorkerState
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, Relocation
 
 LAYERS, H, G, D, BS = 2, 3, 3, 16, 16
 PROMPT, BUDGET, DECODE = 100, 40, 20

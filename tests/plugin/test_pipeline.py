@@ -1,11 +1,11 @@
 """Pipeline parallelism: policies that need what another stage holds are refused at startup, and prefix
-caching is off for policies that rewrite blocks (kvpolicy/vllm/parallel.py)."""
+caching is off for policies that rewrite blocks (kvpolicy/vllm/startup/parallel.py)."""
 
 import pytest
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
 from kvpolicy.vllm.internals import EngineArgs
-from kvpolicy.vllm.parallel import check_pipeline, prepare_pipeline
+from kvpolicy.vllm.startup.parallel import check_pipeline, prepare_pipeline
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def test_prefix_caching_is_off_under_pipeline_parallelism_unless_asked_for_which
 
 
 def test_a_stage_counts_its_layers_from_its_first():
-    from kvpolicy.vllm.state import WorkerState
+    from kvpolicy.vllm.worker.state import WorkerState
 
     worker = WorkerState.of(None, None, stage=(1, 15))
     assert worker.layer_index("model.layers.17.self_attn.attn") == 2

@@ -1,4 +1,4 @@
-"""kvpolicy's offloading spec for vLLM's offloading connector (kvpolicy/vllm/prefix_offload.py): stores copied
+"""kvpolicy's offloading spec for vLLM's offloading connector (kvpolicy/vllm/scheduler/prefix_offload.py): stores copied
 after their request's relocation complete as failed, and blocks travel to host chunks and back whole."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor, ReqContext
 
 from kvpolicy.vllm.internals import CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec, PrepareStoreOutput
-from kvpolicy.vllm.prefix_offload import HostCopyWorker, StoresBeforeRelocation
-from kvpolicy.vllm.relocations import RELOCATIONS
+from kvpolicy.vllm.scheduler.prefix_offload import HostCopyWorker, StoresBeforeRelocation
+from kvpolicy.vllm.scheduler.rewrite_history import RELOCATIONS
 
 
 class RecordingManager:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import write_order
-from kvpolicy.vllm.rewrites import RewriteBound
+from kvpolicy.vllm.scheduler.rewrite_bounds import RewriteBound
 
 HEADS, LAYERS, BLOCK = 3, 30, 128
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvpolicy.paging import PageStore, RequestPages
-from kvpolicy.vllm.ops import staging
-from kvpolicy.vllm.ops.staging import StagedStep, TableMirror
-from kvpolicy.vllm.ops.triton import TritonOps, plan_virtual_sequences
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, step_tensors
+from kvpolicy.vllm.worker.ops import staging
+from kvpolicy.vllm.worker.ops.staging import StagedStep, TableMirror
+from kvpolicy.vllm.worker.ops.triton import TritonOps, plan_virtual_sequences
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows, PerHeadBatch, RelocatingStep, step_tensors
 
 
 def per_head_step(layers: int = 4, rows: int = 3, heads: int = 2, width: int = 5) -> RelocatingStep:

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from kvpolicy.vllm.ops.flash_varlen import INDEX_DTYPE, flash_pages, flash_varlen_call
-from kvpolicy.vllm.ops.triton import plan_virtual_sequences
-from kvpolicy.vllm.step import AttentionBatch, HeadRows
+from kvpolicy.vllm.worker.ops.flash_varlen import INDEX_DTYPE, flash_pages, flash_varlen_call
+from kvpolicy.vllm.worker.ops.triton import plan_virtual_sequences
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows
 from kvpolicy_triton import PageGeometry, paged_attention_reference
 
 KV_HEADS, GROUP, HEAD_SIZE, BLOCK_SIZE, BLOCKS = 2, 3, 16, 4, 12

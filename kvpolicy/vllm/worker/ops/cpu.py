@@ -23,8 +23,8 @@ from kvpolicy.policies.h2o import new_token_attention
 from kvpolicy.policies.omnikv import context_scores, page_sums
 from kvpolicy.policies.pod import attend_shared, proximal_logits
 from kvpolicy.vllm.internals import envs, ops
-from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.step import AttentionBatch, HeadRows
+from kvpolicy.vllm.worker.ops.base import KVOps
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows
 from kvpolicy_triton.geometry import PageGeometry
 
 try:

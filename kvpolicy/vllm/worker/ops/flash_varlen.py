@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.vllm.step import AttentionBatch, HeadRows
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows
 from kvpolicy_triton import PageGeometry
 
 #: FlashAttention takes page ids, offsets and lengths as int32.

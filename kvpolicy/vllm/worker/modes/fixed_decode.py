@@ -13,7 +13,7 @@ staged copy, then a few device copies); padded rows are length 0 with no
 slot. Only a policy whose decode has no host work after attention qualifies
 (``refusal``), and a step that relocates a prompt or stashes window
 queries never comes here: vLLM is told not to replay a full graph for a step
-with prompt rows (``internals.forbid_full_graphs_while``).
+with prompt rows (``patches.forbid_full_graphs_while``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 
 from kvpolicy.paging import stock_page_tables
 from kvpolicy.policies import Mode, Policy
-from kvpolicy.vllm.modes.base import HostBatch, ModePath, StepShape
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.ops.staging import TableMirror
-from kvpolicy.vllm.step import (
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, StepShape
+from kvpolicy.vllm.worker.ops import KVOps
+from kvpolicy.vllm.worker.ops.staging import TableMirror
+from kvpolicy.vllm.worker.step import (
     AttentionBatch,
     FixedDecodeInputs,
     FixedDecodeStep,

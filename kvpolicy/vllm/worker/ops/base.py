@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from kvpolicy.paging import PageCopies
-from kvpolicy.vllm.ops.staging import TableMirror
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, SharedAttention, Step, SummedChunk
+from kvpolicy.vllm.worker.ops.staging import TableMirror
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows, SharedAttention, Step, SummedChunk
 
 
 class KVOps(ABC):

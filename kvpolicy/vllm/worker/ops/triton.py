@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from kvpolicy.paging import stock_page_tables, virtual_tokens
-from kvpolicy.vllm.ops.base import KVOps
-from kvpolicy.vllm.ops.staging import StagedStep, copy_to
-from kvpolicy.vllm.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
+from kvpolicy.vllm.worker.ops.base import KVOps
+from kvpolicy.vllm.worker.ops.staging import StagedStep, copy_to
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
     MIN_SPLIT_KEYS,
     TARGET_PROGRAMS,
@@ -137,7 +137,7 @@ def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
     cache writer's packing inside each contiguous page, which must be affine (the vec ISAs)."""
     if cache.is_cuda:
         return PageGeometry.head_major(cache)
-    from kvpolicy.vllm.ops.cpu import cache_layout, cpu_geometry
+    from kvpolicy.vllm.worker.ops.cpu import cache_layout, cpu_geometry
 
     geometry = cpu_geometry(cache_layout(layer, cache), cache)
     if geometry is None:

@@ -43,11 +43,11 @@ from kvpolicy.vllm.internals import (
     TransferResult,
     current_platform,
 )
-from kvpolicy.vllm.relocations import RELOCATIONS
+from kvpolicy.vllm.scheduler.rewrite_history import RELOCATIONS
 
 #: what ``compose`` writes into the connector's ``kv_connector_extra_config``
 SPEC_NAME = "KVPolicyOffloadingSpec"
-SPEC_MODULE = "kvpolicy.vllm.prefix_offload"
+SPEC_MODULE = "kvpolicy.vllm.scheduler.prefix_offload"
 
 
 class StoresBeforeRelocation:

@@ -15,7 +15,7 @@ and it caches no more: they hold its pages, not the tokens their hashes name.
 Under vLLM's synchronous scheduler that happens when the step's report comes,
 before the next step is scheduled, for exactly the blocks it kept; under its
 asynchronous one, when the step is scheduled, for every block the step may
-rewrite (``rewrites.py``). The blocks it hands back keep their tokens, and
+rewrite (``rewrite_bounds.py``). The blocks it hands back keep their tokens, and
 their hashes, for the next prompt.
 
 vLLM's asynchronous scheduler schedules step N+1 before it reads step N's
@@ -34,43 +34,25 @@ that are not relocated keep vLLM's stock admission.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import write_order
-from kvpolicy.vllm.admission import GrowingRequest, blocks_to_reserve
-from kvpolicy.vllm.args import stored_config
 from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     block_sharing,
     held_blocks,
     release_blocks_except,
-    reserve_for_admissions,
     stop_caching,
 )
+from kvpolicy.vllm.messages import BlockReleases, KVPolicyConnectorMetadata
 from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
-from kvpolicy.vllm.releases import BlockReleases
-from kvpolicy.vllm.relocations import RELOCATIONS
-from kvpolicy.vllm.rewrites import RewriteBound
-from kvpolicy.vllm.state import WorkerState
-
-
-@dataclass
-class KVPolicyConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, each step: ``sharing[req]``, the block-table positions of a prompt being
-    read that other requests read, and those in the prefix cache (``block_sharing``)."""
-
-    sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
-
-
-def own_metadata(metadata: KVConnectorMetadata | None) -> KVPolicyConnectorMetadata | None:
-    """kvpolicy's part of a step's connector metadata: all of it, or its child's in vLLM's
-    ``MultiConnector`` (``MultiKVConnectorMetadata.metadata``, in the connectors' order)."""
-    for part in (metadata, *getattr(metadata, "metadata", ())):
-        if isinstance(part, KVPolicyConnectorMetadata):
-            return part
-    return None
+from kvpolicy.vllm.patches import reserve_for_admissions
+from kvpolicy.vllm.scheduler.reservations import GrowingRequest, blocks_to_reserve
+from kvpolicy.vllm.scheduler.rewrite_bounds import RewriteBound
+from kvpolicy.vllm.scheduler.rewrite_history import RELOCATIONS
+from kvpolicy.vllm.worker.state import WorkerState
 
 
 class KVPolicyConnector(KVConnectorBase_V1):
@@ -83,7 +65,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         self._max_model_len = vllm_config.model_config.max_model_len
         self._block_size = vllm_config.cache_config.block_size
         # Under vLLM's asynchronous scheduler, the blocks a step may rewrite leave the prefix cache when
-        # the step is scheduled (rewrites.py); under its synchronous one, those the report names.
+        # the step is scheduled (rewrite_bounds.py); under its synchronous one, those the report names.
         self._rewrites: RewriteBound | None = None
         # Worker side: the worker's state, bound by the worker hook (``bind_worker``).
         self._worker: WorkerState | None = None
@@ -95,7 +77,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
     # Scheduler side: no external KV, nothing to load.
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        config = stored_config(self._vllm_config.additional_config)
+        config = KVPolicyConfig.stored_in(self._vllm_config.additional_config)
         if config is not None and config.reserve_growth:
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
         self._moves_after_prompt = config is not None and config.moves_after_prompt

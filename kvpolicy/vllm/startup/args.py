@@ -9,19 +9,16 @@ everything that can be checked is checked before the model loads.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_flag
 from kvpolicy.flags import FLAGS
 from kvpolicy.policies import POLICIES, ModelShape
-from kvpolicy.vllm.connectors import compose, offloading_child, offloads_prefix
 from kvpolicy.vllm.internals import (
     CPU_RESERVED_CORES_ENV,
     KV_CACHE_LAYOUT_ENV,
     MODEL_RUNNER_V2_ENV,
     PAGE_SPACE_LAYOUTS,
-    AsyncEngineArgs,
     AttentionBackendEnum,
     EngineArgs,
     InputProcessor,
@@ -31,13 +28,15 @@ from kvpolicy.vllm.internals import (
     current_platform,
     envs,
 )
-from kvpolicy.vllm.parallel import check_pipeline, prepare_pipeline
+from kvpolicy.vllm.patches import EngineArgsHooks, replace_engine_args
+from kvpolicy.vllm.startup.connector_chain import compose, offloading_child, offloads_prefix
+from kvpolicy.vllm.startup.parallel import check_pipeline, prepare_pipeline
 
 ARG_GROUP = "KVPolicy"
 CONNECTOR_NAME = "KVPolicyConnector"
-CONNECTOR_MODULE = "kvpolicy.vllm.connector"
-CPU_WORKER_CLS = "kvpolicy.vllm.worker.KVPolicyCPUWorker"
-GPU_WORKER_CLS = "kvpolicy.vllm.worker.KVPolicyGPUWorker"
+CONNECTOR_MODULE = "kvpolicy.vllm.scheduler.connector"
+CPU_WORKER_CLS = "kvpolicy.vllm.worker.hook.KVPolicyCPUWorker"
+GPU_WORKER_CLS = "kvpolicy.vllm.worker.hook.KVPolicyGPUWorker"
 #: Head sizes vLLM's CPU attention kernels serve.
 SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: kvpolicy's Triton kernels hold a head in one tile: head sizes up to this (CUDA).
@@ -45,7 +44,6 @@ TRITON_MAX_HEAD_SIZE = 256
 
 #: kwarg / CLI dest -> flag name
 OPTION_FIELDS = {f"kv_{flag.name}": flag.name for flag in FLAGS}
-_PATCHED = "_kvpolicy_patched"
 
 
 def _option_type(name: str, convert):
@@ -109,11 +107,6 @@ def config_from_options(options: dict) -> KVPolicyConfig | None:
     return KVPolicyConfig(**given)
 
 
-def stored_config(additional_config: dict | None) -> KVPolicyConfig | None:
-    values = (additional_config or {}).get(KVPolicyConfig.ADDITIONAL_CONFIG_KEY)
-    return None if values is None else KVPolicyConfig.from_dict(values)
-
-
 def _store(engine_args: EngineArgs, config: KVPolicyConfig | None) -> None:
     if config is None:
         return
@@ -141,8 +134,8 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         )
     # vLLM's asynchronous scheduler (its CUDA default) schedules a step before it reads the step
     # before's report. With prefix caching the connector takes the blocks a step may rewrite out of
-    # the cache when it schedules the step (rewrites.py); the offloading connector, though, would not
-    # know which of its copies came after a relocation (relocations.py), so beside it the synchronous
+    # the cache when it schedules the step (rewrite_bounds.py); the offloading connector, though, would not
+    # know which of its copies came after a relocation (rewrite_history.py), so beside it the synchronous
     # scheduler stays.
     if config.rewrites_blocks and offloading:
         if engine_args.async_scheduling:
@@ -155,7 +148,9 @@ def _prepare_engine_args(engine_args: EngineArgs, config: KVPolicyConfig) -> Non
         if engine_args.speculative_config:
             raise KVPolicyConfigError(f"--kv-policy {config.policy} does not support speculative decoding")
         if POLICIES[config.policy].schedule.per_chunk:
-            engine_args.scheduler_reserve_full_isl = False  # admitted by what it holds (kvpolicy/vllm/admission.py)
+            engine_args.scheduler_reserve_full_isl = (
+                False  # admitted by what it holds (kvpolicy/vllm/startup/admission.py)
+            )
     if config.changes_attention and engine_args.kv_cache_dtype not in ("auto", None):
         raise KVPolicyConfigError(f"--kv-policy {config.policy} needs an unquantized KV cache; drop --kv-cache-dtype")
     # Our connector moves no KV between hosts: keep vLLM's stock core reservation
@@ -267,75 +262,39 @@ def check_model(config: KVPolicyConfig, vllm_config: VllmConfig) -> None:
         raise KVPolicyConfigError(str(exc)) from None
 
 
-def patch_engine_args() -> None:
-    """Teach EngineArgs the kv_* options. Safe to call any number of times."""
-    if getattr(EngineArgs, _PATCHED, False):
+def _prepare(engine_args: EngineArgs) -> KVPolicyConfig | None:
+    config = KVPolicyConfig.stored_in(engine_args.additional_config)
+    if config is not None:
+        _prepare_engine_args(engine_args, config)
+    return config
+
+
+def _check_request(input_processor: InputProcessor, params) -> None:
+    """A request's ``vllm_xargs`` ``kv_*`` options, checked against the server's; a policy that changes
+    what the cache holds never reads the prefix cache."""
+    if not isinstance(params, SamplingParams):
         return
-
-    original_add = EngineArgs.add_cli_args
-
-    @functools.wraps(original_add)
-    def add_cli_args(parser, *args, **kwargs):
-        parser = original_add(parser, *args, **kwargs)
-        add_arguments(parser)
-        return parser
-
-    original_from_cli = EngineArgs.from_cli_args.__func__
-
-    def from_cli_args(cls, args: argparse.Namespace):
-        engine_args = original_from_cli(cls, args)
-        _store(engine_args, config_from_options(vars(args)))
-        # vLLM's extra API servers (--api-server-count, data parallelism) parse this namespace again
-        # before they load plugins: ``additional_config`` is a field they keep.
-        args.additional_config = engine_args.additional_config
-        return engine_args
-
-    original_create = EngineArgs.create_engine_config
-
-    @functools.wraps(original_create)
-    def create_engine_config(self, *args, **kwargs):
-        config = stored_config(self.additional_config)
-        if config is None:
-            return original_create(self, *args, **kwargs)
-        _prepare_engine_args(self, config)
-        vllm_config = original_create(self, *args, **kwargs)
-        check_model(config, vllm_config)
-        return vllm_config
-
-    original_validate = InputProcessor._validate_params
-
-    @functools.wraps(original_validate)
-    def _validate_params(self, params, *args, **kwargs):
-        result = original_validate(self, params, *args, **kwargs)
-        config = stored_config(self.vllm_config.additional_config)
-        if (
-            isinstance(params, SamplingParams)
-            and config is not None
-            and not POLICIES[config.policy].reads_prefix_cache()
-        ):
-            params.skip_reading_prefix_cache = True
-        extra = params.extra_args if isinstance(params, SamplingParams) else None
-        if extra and any(key.startswith("kv_") for key in extra):
-            try:
-                (config or KVPolicyConfig()).check_request_options(extra, self.model_config.max_model_len)
-            except KVPolicyConfigError as exc:
-                raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
-        return result
-
-    InputProcessor._validate_params = _validate_params
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
-    EngineArgs.from_cli_args = classmethod(from_cli_args)
-    EngineArgs.create_engine_config = create_engine_config
-    for cls in (EngineArgs, AsyncEngineArgs):
-        cls.__init__ = _accept_kv_options(cls.__init__)
-    setattr(EngineArgs, _PATCHED, True)
+    config = KVPolicyConfig.stored_in(input_processor.vllm_config.additional_config)
+    if config is not None and not POLICIES[config.policy].reads_prefix_cache():
+        params.skip_reading_prefix_cache = True
+    extra = params.extra_args
+    if extra and any(key.startswith("kv_") for key in extra):
+        try:
+            (config or KVPolicyConfig()).check_request_options(extra, input_processor.model_config.max_model_len)
+        except KVPolicyConfigError as exc:
+            raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
 
 
-def _accept_kv_options(init):
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTION_FIELDS}
-        init(self, *args, **kwargs)
-        _store(self, config_from_options(options))
+ENGINE_ARGS_HOOKS = EngineArgsHooks(
+    add_arguments=add_arguments,
+    store_options=lambda engine_args, options: _store(engine_args, config_from_options(options)),
+    prepare=_prepare,
+    check_model=check_model,
+    check_request=_check_request,
+    option_names=frozenset(OPTION_FIELDS),
+)
 
-    return __init__
+
+def patch_engine_args() -> None:
+    """Teach EngineArgs the kv_* options (``patches.replace_engine_args``). Safe to call any number of times."""
+    replace_engine_args(ENGINE_ARGS_HOOKS)

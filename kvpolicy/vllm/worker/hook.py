@@ -16,23 +16,23 @@ from __future__ import annotations
 
 import importlib
 
-from kvpolicy.vllm.args import stored_config
-from kvpolicy.vllm.connector import KVPolicyConnector, own_metadata
-from kvpolicy.vllm.diagnostics import Diagnostics
+from kvpolicy.config import KVPolicyConfig
 from kvpolicy.vllm.internals import (
     CPU_WORKER_MODULE,
     GPU_WORKER_MODULE,
     attention_metadata_builders,
     ensure_intermediate_tensors,
-    forbid_full_graphs_while,
     pipeline_stage,
     prompt_rows_scheduled,
     tensor_parallel_gather,
     worker_connectors,
 )
-from kvpolicy.vllm.modes import make_mode
-from kvpolicy.vllm.state import WorkerState
-from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
+from kvpolicy.vllm.messages import own_metadata
+from kvpolicy.vllm.patches import forbid_full_graphs_while
+from kvpolicy.vllm.worker.diagnostics import Diagnostics
+from kvpolicy.vllm.worker.modes import make_mode
+from kvpolicy.vllm.worker.state import WorkerState
+from kvpolicy.vllm.worker.step_builder import KVPolicyMetadataBuilder
 
 #: class name -> (vLLM's worker module, its worker class)
 _PLATFORM_WORKERS = {
@@ -53,7 +53,7 @@ class KVPolicyWorkerHooks:
         stage_rank, _ = pipeline_stage()
         first_layer, _ = self.vllm_config.model_config.get_layers_start_end_indices(self.vllm_config.parallel_config)
         self.kvpolicy = WorkerState.of(
-            stored_config(self.vllm_config.additional_config),
+            KVPolicyConfig.stored_in(self.vllm_config.additional_config),
             self.model_runner,
             tensor_parallel_gather() if parallel else None,
             (stage_rank, first_layer),
@@ -68,9 +68,10 @@ class KVPolicyWorkerHooks:
                 builder.bind(self.kvpolicy)
         if self.kvpolicy.fixed_decode:  # a step that reads a prompt has host work after attention
             forbid_full_graphs_while(self.model_runner, lambda: self.kvpolicy.prompt_in_step)
-        for connector in worker_connectors():
-            if isinstance(connector, KVPolicyConnector):
-                connector.bind_worker(self.kvpolicy)
+        for connector in worker_connectors():  # kvpolicy's, alone or a child of vLLM's MultiConnector
+            bind = getattr(connector, "bind_worker", None)
+            if bind is not None:
+                bind(self.kvpolicy)
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()

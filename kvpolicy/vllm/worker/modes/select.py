@@ -21,9 +21,9 @@ import torch
 
 from kvpolicy.paging import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies
 from kvpolicy.policies.omnikv import PageChoice
-from kvpolicy.vllm.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
-from kvpolicy.vllm.releases import BlockRelease
-from kvpolicy.vllm.step import (
+from kvpolicy.vllm.messages import BlockRelease
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
+from kvpolicy.vllm.worker.step import (
     AttentionBatch,
     ContextSelection,
     HeadRows,

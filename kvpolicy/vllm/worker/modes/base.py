@@ -16,9 +16,9 @@ from kvpolicy.paging import RequestPages
 from kvpolicy.paging.block_pages import BlockPages
 from kvpolicy.policies import Policy
 from kvpolicy.vllm.internals import host_batch_tensors
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WorkerState
-from kvpolicy.vllm.step import AttentionBatch, Planner, Step
+from kvpolicy.vllm.worker.ops import KVOps
+from kvpolicy.vllm.worker.state import WorkerState
+from kvpolicy.vllm.worker.step import AttentionBatch, Planner, Step
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,14 @@ what they share. A mode is its module and its line in ``MODES``."""
 from __future__ import annotations
 
 from kvpolicy.policies import Mode
-from kvpolicy.vllm.modes.base import HostBatch, ModeState, StepShape
-from kvpolicy.vllm.modes.relocate import Relocate
-from kvpolicy.vllm.modes.relocate_path import PerHeadPath
-from kvpolicy.vllm.modes.select import Select, SelectionPath
-from kvpolicy.vllm.modes.share import Share, SharingPath
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WorkerState
-from kvpolicy.vllm.step import StepPath
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModeState, StepShape
+from kvpolicy.vllm.worker.modes.per_head_path import PerHeadPath
+from kvpolicy.vllm.worker.modes.relocate import Relocate
+from kvpolicy.vllm.worker.modes.select import Select, SelectionPath
+from kvpolicy.vllm.worker.modes.share import Share, SharingPath
+from kvpolicy.vllm.worker.ops import KVOps
+from kvpolicy.vllm.worker.state import WorkerState
+from kvpolicy.vllm.worker.step import StepPath
 
 #: mode -> (its worker side, the path that runs its steps); the stock mode has neither.
 MODES: dict[Mode, tuple[type[ModeState], type]] = {

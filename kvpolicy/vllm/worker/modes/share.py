@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from kvpolicy.paging import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages
-from kvpolicy.vllm.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
-from kvpolicy.vllm.releases import BlockRelease
-from kvpolicy.vllm.step import HeadRows, PlatformAttend, PlatformWrite, SharedAttention, SharedBatch, SharingStep
+from kvpolicy.vllm.messages import BlockRelease
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
+from kvpolicy.vllm.worker.step import HeadRows, PlatformAttend, PlatformWrite, SharedAttention, SharedBatch, SharingStep
 
 
 @dataclass

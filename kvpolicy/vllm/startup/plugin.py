@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-CPU_BACKEND_CLS = "kvpolicy.vllm.cpu_backend.KVPolicyCPUBackend"
-CUDA_BACKEND_CLS = "kvpolicy.vllm.cuda_backend.KVPolicyTritonBackend"
+CPU_BACKEND_CLS = "kvpolicy.vllm.worker.cpu_backend.KVPolicyCPUBackend"
+CUDA_BACKEND_CLS = "kvpolicy.vllm.worker.cuda_backend.KVPolicyTritonBackend"
 _registered = False
 
 
@@ -13,9 +13,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from kvpolicy.vllm.admission import patch_kv_memory_check
-    from kvpolicy.vllm.args import CONNECTOR_MODULE, CONNECTOR_NAME, patch_engine_args
     from kvpolicy.vllm.internals import AttentionBackendEnum, current_platform, name_connector, register_backend
+    from kvpolicy.vllm.startup.admission import patch_kv_memory_check
+    from kvpolicy.vllm.startup.args import CONNECTOR_MODULE, CONNECTOR_NAME, patch_engine_args
 
     patch_engine_args()
     name_connector(CONNECTOR_NAME, CONNECTOR_MODULE)

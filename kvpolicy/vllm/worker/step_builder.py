@@ -12,13 +12,13 @@ row takes the platform's path.
 
 from __future__ import annotations
 
-from kvpolicy.vllm.diagnostics import sync_scope
 from kvpolicy.vllm.internals import attention_layer
-from kvpolicy.vllm.modes import ModeState, make_path
-from kvpolicy.vllm.modes.base import HostBatch, StepShape
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.state import WorkerState
-from kvpolicy.vllm.step import Step, StepPath
+from kvpolicy.vllm.worker.diagnostics import sync_scope
+from kvpolicy.vllm.worker.modes import ModeState, make_path
+from kvpolicy.vllm.worker.modes.base import HostBatch, StepShape
+from kvpolicy.vllm.worker.ops import KVOps
+from kvpolicy.vllm.worker.state import WorkerState
+from kvpolicy.vllm.worker.step import Step, StepPath
 
 
 class StepBuilder:

@@ -1,4 +1,7 @@
-"""What a worker tells the scheduler through kvpolicy's connector: the blocks its requests gave up.
+"""The messages kvpolicy's connector carries between the scheduler and the workers, each step.
+
+Scheduler -> workers: ``KVPolicyConnectorMetadata``, which blocks of a prompt being read other requests
+share. Workers -> scheduler: the blocks their requests gave up.
 
 Modes record a ``BlockRelease`` for each request whose pages changed in a step; after the step's
 forward the worker turns them into one ``BlockReleases`` (``WorkerState.take_releases``), which the
@@ -7,10 +10,10 @@ connector carries to the scheduler, where vLLM frees the blocks (``connector.py`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpolicy.paging import OffloadedRequest, RequestPages, SharedPages
-from kvpolicy.vllm.internals import KVConnectorWorkerMetadata
+from kvpolicy.vllm.internals import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)
@@ -44,3 +47,20 @@ class BlockReleases(KVConnectorWorkerMetadata):
             self.keep[req_id] = keep | self.keep.get(req_id, set())
             self.seen[req_id] = min(other.seen[req_id], self.seen.get(req_id, other.seen[req_id]))
         return self
+
+
+@dataclass
+class KVPolicyConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, each step: ``sharing[req]``, the block-table positions of a prompt being
+    read that other requests read, and those in the prefix cache (``block_sharing``)."""
+
+    sharing: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+
+def own_metadata(metadata: KVConnectorMetadata | None) -> KVPolicyConnectorMetadata | None:
+    """kvpolicy's part of a step's connector metadata: all of it, or its child's in vLLM's
+    ``MultiConnector`` (``MultiKVConnectorMetadata.metadata``, in the connectors' order)."""
+    for part in (metadata, *getattr(metadata, "metadata", ())):
+        if isinstance(part, KVPolicyConnectorMetadata):
+            return part
+    return None

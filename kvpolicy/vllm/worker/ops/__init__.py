@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvpolicy.vllm.ops.base import KVOps
+from kvpolicy.vllm.worker.ops.base import KVOps
 
 #: Environment variable naming the ops a backend uses: ``cpu`` (vLLM's CPU kernels) or ``triton``
 #: (``triton_kernels/``; on a CPU machine only with ``TRITON_INTERPRET=1``, for testing the GPU path).

@@ -19,15 +19,15 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+from kvpolicy.config import KVPolicyConfig
 from kvpolicy.policies import POLICIES
-from kvpolicy.vllm.args import stored_config
-from kvpolicy.vllm.attention import KVPolicyAttention
 from kvpolicy.vllm.internals import TRITON_ATTN_MODULE, AttentionCGSupport, full_decode_graph_rows
-from kvpolicy.vllm.modes import fixed_decode
-from kvpolicy.vllm.modes.base import StepShape
-from kvpolicy.vllm.ops.triton import TritonOps
-from kvpolicy.vllm.step import Step
-from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
+from kvpolicy.vllm.worker.attention import KVPolicyAttention
+from kvpolicy.vllm.worker.modes import fixed_decode
+from kvpolicy.vllm.worker.modes.base import StepShape
+from kvpolicy.vllm.worker.ops.triton import TritonOps
+from kvpolicy.vllm.worker.step import Step
+from kvpolicy.vllm.worker.step_builder import KVPolicyMetadataBuilder
 
 _triton_attn = importlib.import_module(TRITON_ATTN_MODULE)
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class KVPolicyTritonMetadataBuilder(KVPolicyMetadataBuilder, _triton_attn.Triton
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        config = stored_config(vllm_config.additional_config)
+        config = KVPolicyConfig.stored_in(vllm_config.additional_config)
         if config is None or not config.changes_attention:
             return super().get_cudagraph_support(vllm_config, kv_cache_spec)
         why_not = fixed_decode.refusal(POLICIES[config.policy], config.offload is not None)

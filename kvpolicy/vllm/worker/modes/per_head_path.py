@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from kvpolicy.policies import PromptKV
-from kvpolicy.vllm.modes.base import ModePath
-from kvpolicy.vllm.modes.relocate import Relocate
-from kvpolicy.vllm.step import PerHeadBatch, PlatformAttend, PlatformWrite, RelocatingStep, Relocation
+from kvpolicy.vllm.worker.modes.base import ModePath
+from kvpolicy.vllm.worker.modes.relocate import Relocate
+from kvpolicy.vllm.worker.step import PerHeadBatch, PlatformAttend, PlatformWrite, RelocatingStep, Relocation
 
 
 class PerHeadPath(ModePath):

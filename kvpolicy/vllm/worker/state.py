@@ -1,6 +1,6 @@
 """What one worker process knows, whatever mode its policy runs in.
 
-The worker hook (``worker.py``) makes one ``WorkerState`` per worker and its policy's mode over it
+The worker hook (``hook.py``) makes one ``WorkerState`` per worker and its policy's mode over it
 (``modes.make_mode``), then hands both out explicitly: the metadata builders build each step with the
 mode and attach the mode's path to it, which every attention layer runs; kvpolicy's connector reads the
 step's block releases and the counters here. No module holds it.
@@ -18,7 +18,7 @@ from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import write_order
 from kvpolicy.policies import HeadGroup, Policy
 from kvpolicy.vllm.internals import extract_layer_index
-from kvpolicy.vllm.releases import BlockRelease, BlockReleases
+from kvpolicy.vllm.messages import BlockRelease, BlockReleases
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
 from kvpolicy.vllm.internals import KVTransferConfig
-from kvpolicy.vllm.prefix_offload import SPEC_MODULE, SPEC_NAME
+from kvpolicy.vllm.scheduler.prefix_offload import SPEC_MODULE, SPEC_NAME
 
 MULTI_CONNECTOR = "MultiConnector"
 

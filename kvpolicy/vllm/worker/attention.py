@@ -11,9 +11,9 @@ step is vLLM's alone.
 
 from __future__ import annotations
 
-from kvpolicy.vllm.diagnostics import sync_scope
 from kvpolicy.vllm.internals import get_forward_context
-from kvpolicy.vllm.step import Step
+from kvpolicy.vllm.worker.diagnostics import sync_scope
+from kvpolicy.vllm.worker.step import Step
 
 
 def step_of(metadata) -> Step | None:

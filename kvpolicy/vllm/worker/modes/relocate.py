@@ -18,14 +18,14 @@ import torch
 
 from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_slots, virtual_tokens
 from kvpolicy.policies import Policy, Schedule
-from kvpolicy.vllm.modes.base import HostBatch, ModeState, Row, StepShape
-from kvpolicy.vllm.modes.carried import CarriedScores, CarriedState
-from kvpolicy.vllm.modes.fixed_decode import FixedDecode, refusal
-from kvpolicy.vllm.ops import KVOps
-from kvpolicy.vllm.ops.staging import TableMirror
-from kvpolicy.vllm.releases import BlockRelease
-from kvpolicy.vllm.state import WorkerState
-from kvpolicy.vllm.step import (
+from kvpolicy.vllm.messages import BlockRelease
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModeState, Row, StepShape
+from kvpolicy.vllm.worker.modes.carried import CarriedScores, CarriedState
+from kvpolicy.vllm.worker.modes.fixed_decode import FixedDecode, refusal
+from kvpolicy.vllm.worker.ops import KVOps
+from kvpolicy.vllm.worker.ops.staging import TableMirror
+from kvpolicy.vllm.worker.state import WorkerState
+from kvpolicy.vllm.worker.step import (
     AttentionBatch,
     FixedDecodeStep,
     HeadRows,

@@ -12,12 +12,12 @@ import importlib
 import os
 from dataclasses import dataclass
 
-from kvpolicy.vllm.attention import KVPolicyAttention
 from kvpolicy.vllm.internals import CPU_ATTN_MODULE
-from kvpolicy.vllm.modes.base import StepShape
-from kvpolicy.vllm.ops import ops_name
-from kvpolicy.vllm.step import Step
-from kvpolicy.vllm.step_builder import KVPolicyMetadataBuilder
+from kvpolicy.vllm.worker.attention import KVPolicyAttention
+from kvpolicy.vllm.worker.modes.base import StepShape
+from kvpolicy.vllm.worker.ops import ops_name
+from kvpolicy.vllm.worker.step import Step
+from kvpolicy.vllm.worker.step_builder import KVPolicyMetadataBuilder
 
 _cpu_attn = importlib.import_module(CPU_ATTN_MODULE)
 #: Set to 1 (with ``KVPOLICY_OPS=triton``) to run decode batches in fixed shapes on CPU (``fixed_decode_rows``).
@@ -54,11 +54,11 @@ class KVPolicyCPUMetadataBuilder(KVPolicyMetadataBuilder, _cpu_attn.CPUAttention
         self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         if uses_triton():
-            from kvpolicy.vllm.ops.triton import TritonOps
+            from kvpolicy.vllm.worker.ops.triton import TritonOps
 
             self.ops = TritonOps()
         else:
-            from kvpolicy.vllm.ops.cpu import CPUOps
+            from kvpolicy.vllm.worker.ops.cpu import CPUOps
 
             self.ops = CPUOps(self)
 
@@ -85,6 +85,6 @@ class KVPolicyCPUImpl(KVPolicyAttention, _cpu_attn.CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if uses_triton():
-            from kvpolicy.vllm.ops.triton import TritonOps
+            from kvpolicy.vllm.worker.ops.triton import TritonOps
 
             TritonOps.check_impl(self)
