@@ -56,7 +56,7 @@ test: model prometheus
 # The suite as on an x86 CPU without AVX-512, on one that has it (tests/avx2/avx2.sh): vLLM's AVX2 build and AVX2
 # code in ATen, oneDNN, MKL, OpenBLAS and NumPy. What the instruction set costs, not an older core's speed.
 # CPU_SHARE=0.4: each core also left 0.4 of its time (tests/avx2/cpu_share.sh; root): one engine run 3.7x as long,
-# inside the 3.3x-4.8x the AVX2 EPYC the README names took (benchmarks/emulated_cpu.py).
+# inside the 3.3x-4.8x the AVX2 EPYC of docs/benchmarks.md took (benchmarks/emulated_cpu.py).
 test-avx2: model prometheus
 	$(if $(CPU_SHARE),tests/avx2/cpu_share.sh $(CPU_SHARE)) tests/avx2/avx2.sh $(PYTEST_SUITE)
 

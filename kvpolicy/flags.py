@@ -1,7 +1,7 @@
 """The ``--kv-*`` flags, each read from its option's field, and the tables the docs show of them.
 
 The engine's options are ``KVPolicyConfig``'s fields; a policy's are its dataclass fields (its parts'
-options). ``kvpolicy/vllm/startup/args.py`` builds the CLI from ``FLAGS``; the README's options table and
+options). ``kvpolicy/vllm/startup/args.py`` builds the CLI from ``FLAGS``; docs/usage.md's options table and
 docs/policies.md's composition table are generated here and checked by ``tests/unit/test_flags.py``:
 
     python -m kvpolicy.flags --write    # rewrite both tables from the source
@@ -98,7 +98,7 @@ def _flags() -> list[Flag]:
     return [*first, *own, *(_engine_flag(engine[name]) for name in _ENGINE_LAST)]
 
 
-#: Every ``--kv-*`` flag, in the order the CLI and the README list them.
+#: Every ``--kv-*`` flag, in the order the CLI and docs/usage.md list them.
 FLAGS: list[Flag] = _flags()
 
 
@@ -108,7 +108,7 @@ def _escaped(cell: str) -> str:
 
 
 def options_table() -> str:
-    """The README's table of flags."""
+    """docs/usage.md's table of flags."""
     rows = [f"| `{flag.option} {_escaped(flag.metavar)}` | {flag.help} |" for flag in FLAGS]
     return "\n".join(["| flag | what it sets |", "|---|---|", *rows])
 
@@ -143,7 +143,7 @@ def composition_table() -> str:
 
 #: file -> (marker, table): each table lies between ``<!-- marker -->`` and ``<!-- /marker -->``.
 TABLES = {
-    "README.md": ("kv-options", options_table),
+    "docs/usage.md": ("kv-options", options_table),
     "docs/policies.md": ("kv-composition", composition_table),
 }
 
@@ -163,7 +163,7 @@ def _with_table(text: str, marker: str, rows: str) -> tuple[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="rewrite the tables in README.md and docs/policies.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the tables in docs/usage.md and docs/policies.md")
     args = parser.parse_args()
     for name, (marker, table) in TABLES.items():
         path = ROOT / name

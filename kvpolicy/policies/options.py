@@ -1,8 +1,8 @@
 """Options declared once: a dataclass field with its help, its ``--kv-*`` flag and its check.
 
 A policy's options are the fields of its parts (scorer, allocators, rewrite) or of its own class; the
-CLI (``kvpolicy/vllm/startup/args.py``), the README's options table and ``KVPolicyConfig``'s checks are all read
-from these fields (``tests/unit/test_flags.py`` fails when the README drifts from them).
+CLI (``kvpolicy/vllm/startup/args.py``), docs/usage.md's options table and ``KVPolicyConfig``'s checks are all read
+from these fields (``tests/unit/test_flags.py`` fails when that table drifts from them).
 """
 
 from __future__ import annotations
