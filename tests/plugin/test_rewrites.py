@@ -65,3 +65,39 @@ def test_a_layout_or_an_offload_rewrites_the_blocks_it_packs_into():
     offload = bound(policy="omnikv", budget=256, offload=1.0)
     assert offload.positions(request(2100, 0), 2100, order) == order[:7]
     assert offload.positions(request(2100, 2100, 2101), 1, order) == [], "a decode row does not offload"
+
+
+def test_a_new_mode_is_its_class_and_one_registry_line(monkeypatch):
+    """The scheduler keeps no rule of a mode's own: a mode registered in ``MODES`` alone is asked, with
+    the request as the scheduler sees it, and decides which blocks the step rewrites and when it is done."""
+    from kvpolicy.vllm.worker import modes
+    from kvpolicy.vllm.worker.modes.base import ModeState, RequestStep
+
+    asked: list[RequestStep] = []
+
+    class EveryOtherBlock(ModeState):
+        """A trivial mode: a step that completes the prompt rewrites half its blocks."""
+
+        @staticmethod
+        def written_blocks(step: RequestStep) -> int | None:
+            asked.append(step)
+            return -(-step.end // step.block_size) // 2 if step.complete else None
+
+        def pages_of(self, request):
+            return None
+
+        def build(self, batch, shape):
+            return None
+
+    trivial = object()  # a mode no policy of the registry runs in
+    monkeypatch.setitem(modes.MODES, trivial, modes.ModeKind(EveryOtherBlock, object))
+    rewrites = bound(policy="adasnap", budget=128)
+    monkeypatch.setattr(rewrites, "policy_of", lambda request: SimpleNamespace(mode=trivial))
+    order = write_order(8)
+    assert rewrites.positions(request(1000, 0), 512, order) == []  # a chunk: the mode writes nothing
+    assert asked[-1].end == 512 and not asked[-1].complete and asked[-1].query_len == 512
+    assert rewrites.positions(request(1000, 512), 488, order) == order[:4]
+    assert asked[-1].complete and asked[-1].num_kv_heads == HEADS and asked[-1].block_size == BLOCK
+    assert "r" in rewrites.done
+    assert rewrites.positions(request(1000, 1000, 1001), 1, order) == [], "done: not asked again"
+    assert len(asked) == 2

@@ -1,5 +1,6 @@
-"""What every mode's worker side shares: the batch it reads, the rows it may change, the calls of the
-rows the platform attends as usual, and the one place a request's state is created and dropped."""
+"""What every mode shares: the batch it reads, the rows it may change, the calls of the rows the platform
+attends as usual, the one place a request's state is created and dropped, and the rule both processes
+ask of a mode (``ModeState.written_blocks`` over a ``RequestStep``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY
+from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY, KVPolicyConfig
 from kvpolicy.paging import RequestPages
 from kvpolicy.paging.block_pages import BlockPages
 from kvpolicy.policies import Policy
@@ -85,6 +86,28 @@ class Row:
 
 
 @dataclass(frozen=True)
+class RequestStep:
+    """One request in one step, as both processes know it when the step is scheduled: the scheduler from
+    its request (``num_computed_tokens`` plus the tokens scheduled), a worker from the step's batch row."""
+
+    policy: Policy  # the request's own
+    config: KVPolicyConfig  # the server's
+    prompt_len: int
+    num_tokens: int  # the tokens known: the prompt, or after a preemption the prompt and its output
+    end: int  # tokens in the cache after the step
+    query_len: int  # tokens the step brings
+    budget_arg: int | None  # the request's ``kv_budget``
+    num_kv_heads: int
+    num_layers: int
+    block_size: int
+
+    @property
+    def complete(self) -> bool:
+        """Every known token is in the cache after the step (the prompt is read, or recomputed)."""
+        return self.end >= self.num_tokens
+
+
+@dataclass(frozen=True)
 class StepShape:
     """The model and cache a step is built for, and the ops' planner of its calls."""
 
@@ -151,6 +174,36 @@ class ModeState(ABC, Generic[R]):
     def policy(self) -> Policy:
         """The server's policy (read at each use: tests may wrap it)."""
         return self.worker.policy
+
+    @staticmethod
+    def written_blocks(step: RequestStep) -> int | None:
+        """How many of the request's own blocks (the first of ``write_order``) the step may rewrite after
+        its attention; None: it rewrites none. The one rule of the mode for both processes: the worker's
+        mode decides with it whether the step relocates, lays out or offloads the request and whether its
+        own blocks have room; the scheduler's connector evicts those blocks from the prefix cache when it
+        schedules the step (``scheduler/rewrite_bounds.py``)."""
+        return None
+
+    @staticmethod
+    def rewrites_end(step: RequestStep) -> bool:
+        """Whether a step that rewrites blocks is the request's last to (until a preemption): the
+        scheduler then stops asking about it."""
+        return step.complete
+
+    def request_step(self, row: Row, shape: StepShape) -> RequestStep:
+        """A batch row as the mode's rule reads it."""
+        return RequestStep(
+            policy=self.worker.policy_named(row.policy_name),
+            config=self.worker.config,
+            prompt_len=row.prompt_len,
+            num_tokens=row.request.num_tokens,
+            end=row.seq_len,
+            query_len=row.query_len,
+            budget_arg=row.budget_arg,
+            num_kv_heads=shape.num_kv_heads,
+            num_layers=shape.num_layers,
+            block_size=shape.block_size,
+        )
 
     def new_request(self) -> R:
         """The state of a request the mode starts to follow at its first use (``track``)."""

@@ -3,7 +3,8 @@ identity) moves a request's prompt into per-head pages, and its rows then attend
 
 ``RelocatedRequest`` is what the mode follows of one request; ``Relocate`` builds each step from vLLM's
 batch (which rows go per head, which prompts relocate, which chunks stash window queries); the path that
-runs the step in every layer is ``relocate_path.PerHeadPath``.
+runs the step in every layer is ``per_head_path.PerHeadPath``. ``Relocate.plan`` is the mode's rule for
+both processes: when a step relocates a request and how many of its blocks it writes.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import numpy as np
 import torch
 
 from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_slots, virtual_tokens
-from kvpolicy.policies import Policy, Schedule
+from kvpolicy.policies import Schedule
 from kvpolicy.vllm.messages import BlockRelease
-from kvpolicy.vllm.worker.modes.base import HostBatch, ModeState, Row, StepShape
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModeState, RequestStep, Row, StepShape
 from kvpolicy.vllm.worker.modes.carried import CarriedScores, CarriedState
 from kvpolicy.vllm.worker.modes.fixed_decode import FixedDecode, refusal
 from kvpolicy.vllm.worker.ops import KVOps
@@ -71,6 +72,15 @@ class _Draft:
     per_head_rows: list[int] = field(default_factory=list)
     per_head_pages: list[RequestPages] = field(default_factory=list)
     summed_rows: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RelocationPlan:
+    """``Relocate.plan`` of one request in one step."""
+
+    budget: int | None
+    chooses: int | None = None  # tokens chosen among when the step relocates; None: the prompt reads on
+    blocks: int = 0  # of the request's own blocks, those the relocation writes
 
 
 class Relocate(ModeState[RelocatedRequest]):
@@ -266,8 +276,9 @@ class Relocate(ModeState[RelocatedRequest]):
     def _prompt_row(self, draft: _Draft, row: Row, batch: HostBatch, shape: StepShape) -> None:
         """A chunk of a prompt not relocated yet: summed, stashed, or relocated once it is read (or over budget)."""
         policy = self.policy
-        budget = self.worker.config.budget_for(row.prompt_len, row.budget_arg)
-        if budget is None and policy.needs_budget:
+        request_step = self.request_step(row, shape)
+        plan = self.plan(request_step)
+        if plan is None:
             return  # short prompt: stays on the stock path
         window_idx = self._window_tokens(row)
         if shape.sums_prompts and policy.inputs.attention and window_idx.numel() == row.query_len:
@@ -278,29 +289,28 @@ class Relocate(ModeState[RelocatedRequest]):
             draft.step.summed.append(SummedChunk(row.req_id, window_idx, slots))
             draft.summed_rows.append(row.index)
             window_idx = window_idx[:0]
-        reading = row.seq_len < row.request.num_tokens  # the prompt (after a preemption: prompt and output)
-        if reading and not (policy.schedule.per_chunk and row.seq_len > budget):
+        if plan.chooses is None:  # reading on: the chunk's window queries wait for the relocation
             if window_idx.numel():
                 draft.step.window_stash.append(WindowStash(row.req_id, window_idx))
             return
-        chooses = row.seq_len if reading else row.prompt_len
         num_blocks = shape.num_blocks(row.seq_len)
         order, shared = self.worker.writable_blocks(row.req_id, num_blocks)
-        if shared and not self._has_room(order, self.worker.policy_named(row.policy_name), budget, chooses, shape):
+        if shared and len(order) < plan.blocks:
             self.leave_uncompressed(row.req_id)
             return
         layer_base = self.worker.page_space().layer_base if self.pools_layers else None
         blocks = batch.block_table[row.index, :num_blocks].tolist()
         pages = self.new_pages(blocks, order, layer_base, shape)
         self.track(row.req_id).pages = pages
+        done = request_step.complete
         self._relocate(
             draft,
             row,
             pages,
-            prompt_done=not reading,
-            length=None if reading else row.seq_len,
-            num_tokens=chooses,
-            budget=budget,
+            prompt_done=done,
+            length=row.seq_len if done else None,
+            num_tokens=plan.chooses,
+            budget=plan.budget,
             window_idx=window_idx,
         )
 
@@ -348,13 +358,28 @@ class Relocate(ModeState[RelocatedRequest]):
         return torch.arange(row.first_token + window_start - row.start, row.first_token + window_end - row.start)
 
     @staticmethod
-    def _has_room(order: list[int], policy: Policy, budget: int | None, num_tokens: int, shape: StepShape) -> bool:
-        """Whether the blocks relocation may write (``order``: not those other requests read) hold the
-        most a layer can keep, and a spare block."""
-        heads = shape.num_kv_heads
-        return len(order) >= relocation_blocks(
-            policy.layer_token_bound(budget, num_tokens, heads), heads, shape.block_size
-        )
+    def plan(step: RequestStep) -> RelocationPlan | None:
+        """The mode's rule: None when the request keeps its whole prompt (no budget: the stock path);
+        else its budget and, when this step relocates it, the tokens the policy chooses among (the prompt
+        once read; the tokens so far for a policy that evicts at every chunk over budget) and the blocks
+        the relocation writes: the most a layer can keep, the output recomputed after a preemption, and a
+        spare block."""
+        policy = step.policy
+        budget = step.config.budget_for(step.prompt_len, step.budget_arg)
+        if budget is None and policy.needs_budget:
+            return None
+        reading = not step.complete
+        if reading and not (policy.schedule.per_chunk and step.end > budget):
+            return RelocationPlan(budget)
+        chooses = step.end if reading else step.prompt_len
+        heads = step.num_kv_heads
+        entries = policy.layer_token_bound(budget, chooses, heads) + heads * max(step.end - chooses, 0)
+        return RelocationPlan(budget, chooses, relocation_blocks(entries, heads, step.block_size))
+
+    @staticmethod
+    def written_blocks(step: RequestStep) -> int | None:
+        plan = Relocate.plan(step)
+        return None if plan is None or plan.chooses is None else plan.blocks
 
     def _evicts_now(self, row: Row, pages: RequestPages, reading: bool, shape: StepShape) -> bool:
         """An evicting policy compresses at every prompt chunk over budget, and in decode once some

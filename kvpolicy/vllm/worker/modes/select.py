@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpolicy.paging import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies
+from kvpolicy.paging import HostPagePool, OffloadedRequest, OffloadPlan, PageCopies, offload_blocks
 from kvpolicy.policies.omnikv import PageChoice
 from kvpolicy.vllm.messages import BlockRelease
-from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, ModeState, RequestStep, Row, StepShape
 from kvpolicy.vllm.worker.step import (
     AttentionBatch,
     ContextSelection,
@@ -32,6 +32,11 @@ from kvpolicy.vllm.worker.step import (
     PlatformWrite,
     SelectingStep,
 )
+
+
+def staging_pages(budget: int, block_size: int) -> int:
+    """Pages an offloaded request keeps on the device per sparse layer and head for the selected context."""
+    return -(-budget // block_size) - 1
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,9 @@ class Select(ModeState[OffloadedRequest]):
                     raise RuntimeError("an offloaded request takes one new token per step")
                 offloaded.append(OffloadedRow(row, request, budget))
             elif not self._decoding(row):
-                if config.offload is not None and row.seq_len == row.request.num_tokens and budget < row.seq_len:
-                    offload = self._offload(row, batch, budget, shape)
+                needed = self.written_blocks(self.request_step(row, shape))
+                if needed is not None:
+                    offload = self._offload(row, batch, budget, needed, shape)
                     if offload is not None:
                         offloads.append(offload)
             elif budget < row.seq_len:
@@ -136,12 +142,32 @@ class Select(ModeState[OffloadedRequest]):
             plan=shape.rows_plan,
         )
 
-    def _offload(self, row: Row, batch: HostBatch, budget: int, shape: StepShape) -> OffloadPlan | None:
-        """Plan the offload of a prompt that completes this step; None when the host pool is full, or
-        when with prefix caching its own blocks cannot hold what stays on the device."""
+    @staticmethod
+    def written_blocks(step: RequestStep) -> int | None:
+        """The mode's rule: with ``--kv-offload``, a prompt read whole this step whose context is over its
+        sparse budget moves its sparse layers to the host pool and packs what stays into its first blocks
+        (``offload_blocks``); nothing else is written."""
+        if step.config.offload is None:
+            return None
+        decoding = step.query_len == 1 and step.prompt_len < step.end
+        budget = step.config.sparse_budget(step.end, step.num_layers, step.budget_arg)
+        if not step.complete or decoding or budget >= step.end:
+            return None
+        full = [source is None for source in step.policy.source_layers(step.num_layers)]
+        return offload_blocks(
+            full, step.num_kv_heads, step.block_size, step.end, staging_pages(budget, step.block_size)
+        )
+
+    def _offload(self, row: Row, batch: HostBatch, budget: int, needed: int, shape: StepShape) -> OffloadPlan | None:
+        """Plan the offload of a prompt that completes this step (``needed``: the blocks it writes); None
+        when the host pool is full, or when with prefix caching its own blocks cannot hold what stays on
+        the device."""
         space = self.worker.page_space()
         num_blocks = shape.num_blocks(row.seq_len)
         order, _ = self.worker.writable_blocks(row.req_id, num_blocks)
+        if min(needed, num_blocks) > len(order):
+            self.worker.counters["shared_prefix_uncompressed"] += 1
+            return None
         request = OffloadedRequest(
             space.layer_base,
             shape.num_kv_heads,
@@ -150,10 +176,7 @@ class Select(ModeState[OffloadedRequest]):
             [source is None for source in self.source_layers(shape.num_layers)],
             order,
         )
-        staging = -(-budget // shape.block_size) - 1
-        if request.blocks_needed(row.seq_len, staging) > len(order):
-            self.worker.counters["shared_prefix_uncompressed"] += 1
-            return None
+        staging = staging_pages(budget, shape.block_size)
         try:
             plan = request.offload(row.seq_len, self.host_pool(), staging, shape.max_model_len)
         except MemoryError:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpolicy.paging import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages
+from kvpolicy.paging import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages, layout_blocks
 from kvpolicy.vllm.messages import BlockRelease
-from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, ModeState, Row, StepShape
+from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, ModeState, RequestStep, Row, StepShape
 from kvpolicy.vllm.worker.step import HeadRows, PlatformAttend, PlatformWrite, SharedAttention, SharedBatch, SharingStep
 
 
@@ -84,21 +84,30 @@ class Share(ModeState[SharedRequest]):
             step.shared = self._shared_batch(decoding, batch, shape)
         return step
 
+    @staticmethod
+    def written_blocks(step: RequestStep) -> int | None:
+        """The mode's rule: a request whose computed tokens are all in the cache after the step, with a
+        page's worth of distant tokens, is laid out into the blocks it packs into; else nothing is written."""
+        distant = step.policy.distant_range(step.end)
+        if not step.complete or distant[1] - distant[0] < step.block_size:
+            return None  # a prompt chunk, or too few distant tokens to free a page
+        keeps = np.array(step.policy.layer_groups().keeps_distant_keys())
+        return layout_blocks(keeps, step.block_size, step.end, distant)
+
     def _layout(self, row: Row, batch: HostBatch, shape: StepShape) -> SharedLayoutPlan | None:
         """The layout of a request read whole this step, with a page's worth of distant tokens; None otherwise."""
-        distant = self.policy.distant_range(row.seq_len)
-        start, end = distant
-        if row.seq_len < row.request.num_tokens or end - start < shape.block_size:
-            return None  # a prompt chunk, or too few distant tokens to free a page
+        needed = self.written_blocks(self.request_step(row, shape))
+        if needed is None:
+            return None
         num_blocks = shape.num_blocks(row.seq_len)
         blocks = batch.block_table[row.index, :num_blocks].tolist()
         order, shared = self.worker.writable_blocks(row.req_id, num_blocks)
-        layer_base = self.worker.page_space().layer_base
-        pages = SharedPages(layer_base, shape.num_kv_heads, shape.block_size, blocks, self.keeps_distant_keys, order)
-        if shared and pages.blocks_needed(row.seq_len, distant) > len(order):
+        if shared and needed > len(order):
             self.leave_uncompressed(row.req_id)
             return None
-        layout = pages.layout(row.seq_len, distant)
+        layer_base = self.worker.page_space().layer_base
+        pages = SharedPages(layer_base, shape.num_kv_heads, shape.block_size, blocks, self.keeps_distant_keys, order)
+        layout = pages.layout(row.seq_len, self.policy.distant_range(row.seq_len))
         self.track(row.req_id).pages = pages
         self.worker.releases[row.req_id] = BlockRelease(pages, length=row.seq_len, prompt_done=True)
         return layout
