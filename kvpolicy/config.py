@@ -74,9 +74,24 @@ def check_flag(flag: str, value) -> None:
         return check_policy_name(value)
     engine = {f.name: f for f in fields(KVPolicyConfig) if is_option(f)}
     takers = [policy_flags(name)[flag] for name in flag_takers(flag)]
-    problem = check_value(flag, engine[flag] if flag in engine else takers[0], value)
+    problem = _option_problem(flag, engine[flag] if flag in engine else takers[0], value)
     if problem:
         raise KVPolicyConfigError(problem)
+
+
+#: What an option of each number type takes. Python counts a bool as an int (and JSON's true as 1), so a
+#: boolean would pass every range check as 0 or 1: it is refused by name instead.
+_NUMBERS = {"int": "an integer", "float": "a number", "tuple[int, ...]": "layer indices"}
+
+
+def _option_problem(flag: str, f: Field, value) -> str | None:
+    """What is wrong with ``--kv-<flag> value`` (a boolean where the option is a number, or the option's
+    own check), or None."""
+    kind = str(f.type).removesuffix(" | None")
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    if kind in _NUMBERS and any(isinstance(item, bool) for item in items):
+        return f"--kv-{flag.replace('_', '-')} takes {_NUMBERS[kind]}, not a boolean (got {value!r})"
+    return check_value(flag, f, value)
 
 
 def _as_field_type(f: Field, value):
@@ -136,7 +151,7 @@ class KVPolicyConfig:
         for f in fields(self):
             if is_option(f):
                 value = values.pop(f.name, f.default)
-                problem = check_value(f.name, f, value)
+                problem = _option_problem(f.name, f, value)
                 if problem:
                     raise KVPolicyConfigError(problem)
                 object.__setattr__(self, f.name, value)
@@ -152,7 +167,7 @@ class KVPolicyConfig:
         takes, by_flag = policy_option_fields(self.policy), policy_flags(self.policy)
         for flag, value in flags.items():
             f = by_flag.get(flag, every_flag[flag])
-            problem = check_value(flag, f, value)
+            problem = _option_problem(flag, f, value)
             if problem:
                 raise KVPolicyConfigError(problem)
             if flag in by_flag and value is not None:
@@ -162,7 +177,7 @@ class KVPolicyConfig:
         for name, value in given.items():
             if name not in takes:
                 raise KVPolicyConfigError(f"--kv-policy {self.policy} has no option {name!r}")
-            problem = check_value(flag_of(takes[name]) or name, takes[name], value)
+            problem = _option_problem(flag_of(takes[name]) or name, takes[name], value)
             if problem:
                 raise KVPolicyConfigError(problem)
         return {name: _as_field_type(takes[name], value) for name, value in given.items()}
@@ -305,7 +320,12 @@ class KVPolicyConfig:
             raise KVPolicyConfigError(
                 f"kv_budget applies to compressing policies; this server runs --kv-policy {self.policy}"
             )
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool):
+            raise KVPolicyConfigError(
+                f"kv_budget is a number of tokens per KV head, not a boolean (got {str(value).lower()}); "
+                "give an integer, such as 256"
+            )
+        if not isinstance(value, int) or value <= 0:
             raise KVPolicyConfigError(f"kv_budget must be a positive integer number of tokens, got {value!r}")
         if value > max_model_len:
             raise KVPolicyConfigError(f"kv_budget {value} is larger than the context limit {max_model_len}")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError
+from kvpolicy.config import KVPolicyConfig, KVPolicyConfigError, check_flag
 from kvpolicy.policies import POLICIES, IdentityPolicy, PromptKV
 
 
@@ -28,6 +28,33 @@ def test_unknown_policy_lists_the_valid_ones():
 def test_bad_values_are_rejected(options, message):
     with pytest.raises(KVPolicyConfigError, match=message):
         KVPolicyConfig(policy="identity", **options)
+
+
+@pytest.mark.parametrize(
+    "policy, options, message",
+    [
+        ("snapkv", {"budget": True}, r"--kv-budget takes an integer, not a boolean \(got True\)"),
+        ("snapkv", {"ratio": True}, r"--kv-ratio takes a number, not a boolean"),
+        ("omnikv", {"budget": 128, "offload": False}, r"--kv-offload takes a number, not a boolean"),
+        ("snapkv", {"budget": 128, "window": True}, r"--kv-window takes an integer, not a boolean"),
+        ("pod", {"pod_tau": True}, r"--kv-pod-tau takes a number, not a boolean"),
+        ("omnikv", {"budget": 128, "filter_layers": (True, 3)}, r"--kv-filter-layers takes layer indices, not a"),
+        ("h2o", {"options": {"recent_fraction": True}, "budget": 128}, "--kv-recent-fraction takes a number"),
+    ],
+)
+def test_a_boolean_is_not_a_number(policy, options, message):
+    """Python counts True as 1, and JSON's true arrives as it: every number option refuses it by name
+    (``--kv-budget true`` would otherwise keep one token, and ``--kv-window true`` pass as 1)."""
+    with pytest.raises(KVPolicyConfigError, match=message):
+        KVPolicyConfig(policy=policy, **options)
+
+
+def test_a_boolean_flag_is_refused_on_its_own():
+    with pytest.raises(KVPolicyConfigError, match="--kv-budget takes an integer, not a boolean"):
+        check_flag("budget", True)
+    with pytest.raises(KVPolicyConfigError, match="--kv-pod-tau takes a number, not a boolean"):
+        check_flag("pod_tau", False)
+    check_flag("merge", False)  # a switch takes one
 
 
 def test_offload_is_an_omnikv_host_pool_size():
@@ -94,7 +121,8 @@ def test_budget_for_a_prompt():
     [
         (-1, "positive integer"),
         (2.5, "positive integer"),
-        (True, "positive integer"),
+        (True, "kv_budget is a number of tokens per KV head, not a boolean \\(got true\\)"),
+        (False, "kv_budget is a number of tokens per KV head, not a boolean \\(got false\\)"),
         (20, "observation window"),
         (9000, "context limit"),
     ],
@@ -161,6 +189,7 @@ def test_pool_kernel_is_the_policys_own_unless_given():
         ({"kv_policy": 3}, "kv_policy 3 cannot be served"),
         ({"kv_policy": "none", "kv_budget": 64}, "kv_budget does not apply to a request with kv_policy 'none'"),
         ({"kv_policy": "snapkv", "kv_budget": 16}, "larger than the observation window"),
+        ({"kv_budget": True}, r"kv_budget is a number of tokens per KV head, not a boolean \(got true\)"),
     ],
 )
 def test_request_options_are_strict_and_say_what_is_accepted(extra, message):
