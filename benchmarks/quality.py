@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import queue
 import subprocess
@@ -54,7 +55,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
     write_results,
 )
-from benchmarks.tasks import ANSWER_TOKENS, TASKS, TaskItem, is_hit  # noqa: E402
+from benchmarks.tasks import TASKS, TaskItem, answer_tokens, score  # noqa: E402
 
 POLICIES = ["snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "streaming", "keydiff", "h2o", "d2o", "omnikv"]
 DEPTHS = [0.1, 0.26, 0.42, 0.58, 0.74, 0.9]
@@ -161,9 +162,11 @@ def run_engine(policy: str, cells: list[dict], model: str | None) -> None:
         requested = [request_budget(cell["budget"], len(item["ids"]), policy, num_layers) for item in cell["items"]]
         params = [
             SamplingParams(
-                max_tokens=ANSWER_TOKENS, temperature=0.0, extra_args=None if tokens is None else {"kv_budget": tokens}
+                max_tokens=answer_tokens(item["task"]),
+                temperature=0.0,
+                extra_args=None if tokens is None else {"kv_budget": tokens},
             )
-            for tokens in requested
+            for item, tokens in zip(cell["items"], requested)
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         write_json(Path(cell["path"]), {"answers": [o.outputs[0].text for o in outputs]})
@@ -183,6 +186,59 @@ def summary_rows(rows: list[dict], reliable: set) -> list[dict]:
             {"policy": policy, "budget": budget, "ratio": ratio, **tasks, "mean": sum(tasks.values()) / len(tasks)}
         )
     return summary
+
+
+#: The normal quantile of a two-sided 95% interval.
+Z95 = 1.96
+#: The half-width a family's interval should be under (the issue's 5 points).
+HALF_WIDTH = 0.05
+
+
+def wilson(mean: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson's score interval of a mean of ``n`` scores in [0, 1]: exact in form for hits, and on the safe side
+    for partial scores (RULER's shares of answers), whose variance is at most ``mean * (1 - mean)``."""
+    if n == 0:
+        return 0.0, 1.0
+    centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def prompts_needed(mean: float, half_width: float = HALF_WIDTH, z: float = Z95) -> int:
+    """Prompts for a 95% interval of ``half_width`` around ``mean`` (normal approximation, at least 1)."""
+    return max(1, math.ceil(z * z * mean * (1 - mean) / half_width**2))
+
+
+def family_rows(rows: list[dict], reliable: set) -> list[dict]:
+    """Each policy x budget x task's scores pooled over the contexts the full cache solves: the mean, its 95%
+    Wilson interval, the prompts a +-5-point interval needs, and the share of the full cache's mean."""
+    pooled: dict = defaultdict(list)
+    contexts: dict = defaultdict(set)
+    for row in rows:
+        if (row["task"], row["context"]) in reliable:
+            key = (row["policy"], row["budget"], row["ratio"], row["task"])
+            pooled[key] += row["scores"]
+            contexts[key].add(row["context"])
+    full = {task: sum(s) / len(s) for (policy, _, _, task), s in pooled.items() if policy == "none"}
+    out = []
+    for (policy, budget, ratio, task), scores in pooled.items():
+        mean = sum(scores) / len(scores)
+        low, high = wilson(mean, len(scores))
+        out.append(
+            {
+                "policy": policy,
+                "budget": budget,
+                "ratio": ratio,
+                "task": task,
+                "contexts": " ".join(f"{c // 1000}K" for c in sorted(contexts[(policy, budget, ratio, task)])),
+                "n": len(scores),
+                "mean": mean,
+                "interval": f"[{low:.3f}, {high:.3f}]",
+                "of_full": mean / full[task] if full.get(task) else None,
+                "needed_for_5pt": prompts_needed(mean),
+            }
+        )
+    return out
 
 
 def reliable_cells(rows: list[dict]) -> set:
@@ -214,6 +270,12 @@ def tables(rows: list[dict]) -> str:
         + markdown_table(baseline, ["task", *map(str, contexts)])
         + "\n\nEach policy and budget: accuracy per task over the contexts the full cache solves and the policies ran at.\n\n"
         + markdown_table(summary, ["policy", "budget", "ratio", *solved, "mean"])
+        + "\n\nEach family, prompts pooled over those contexts: mean score, its 95% Wilson interval, the share of "
+        "the full cache's mean, and the prompts a +-5-point interval needs.\n\n"
+        + markdown_table(
+            sorted(family_rows(rows, reliable), key=lambda r: (r["task"], r["policy"] != "none")),
+            ["task", "policy", "budget", "ratio", "contexts", "n", "mean", "interval", "of_full", "needed_for_5pt"],
+        )
     )
 
 
@@ -314,15 +376,16 @@ def answer_cells(
     rows = []
     for (budget, task, length), (path, _) in cells.items():
         answers = json.loads(path.read_text())["answers"]
-        hits = [is_hit(item, answer) for item, answer in zip(groups[(task, length)], answers)]
+        scores = [score(item, answer) for item, answer in zip(groups[(task, length)], answers)]
         rows.append(
             {
                 "policy": policy,
                 **budget_fields(budget),
                 "task": task,
                 "context": length,
-                "accuracy": sum(hits) / len(hits),
-                "n": len(hits),
+                "accuracy": sum(scores) / len(scores),
+                "n": len(scores),
+                "scores": scores,
             }
         )
     return rows
@@ -446,8 +509,9 @@ def main() -> int:
     grid, settings["left_out"] = servable(grid, settings["policy_lengths"], args.model)
     for reason in settings["left_out"]:
         print(f"left out {reason}", file=sys.stderr)
-    if max(settings["lengths"]) + ANSWER_TOKENS > MAX_MODEL_LEN:
-        raise SystemExit(f"prompt lengths must leave {ANSWER_TOKENS} tokens under {MAX_MODEL_LEN}")
+    generated = max(map(answer_tokens, settings["tasks"]))
+    if max(settings["lengths"]) + generated > MAX_MODEL_LEN:
+        raise SystemExit(f"prompt lengths must leave {generated} tokens under {MAX_MODEL_LEN}")
     out = args.out or RESULTS_DIR / ("quality_quick.json" if args.quick else "quality.json")
     work = out.parent / "quality.work"
     work.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,27 @@ the fact asked for at ``depth`` (0 = first, 1 = last) of the context:
   (compression runs at the prompt's end); the surname comes from decode steps over the compressed
   cache, so it is what a policy can lose. ``depth`` only seeds the draw.
 
+RULER's other synthetic families (Hsieh et al., "RULER: What's the Real Context Size of Your Long-Context
+Language Models?", arXiv 2404.06654, §3 and its appendix), rebuilt from the paper's description; each asks
+for several answers and scores the share of them found in the output (the paper's recall of references,
+``score``):
+
+- ``multivalue`` (MV-NIAH): four special magic numbers for one word in essay prose, the first at ``depth``
+  and the others a quarter of the context apart; all four asked for.
+- ``multiquery`` (MQ-NIAH): one number for each of four words, placed the same way; all four asked for.
+- ``variables`` (VT, multi-hop tracing): ``VAR X1 = 12345``, then ``VAR X2 = X1`` and so on, four hops,
+  the five statements at random depths in order in the repeated noise sentences; asked for every
+  variable that holds the value. Names are five random capitals.
+- ``common_words`` (CWE, aggregation): a numbered list of words in which ``CWE_COMMON`` words recur
+  ``CWE_COMMON_FREQ`` times (RULER's 30, fewer where the list is too short for that to be a minority)
+  and the others ``CWE_RARE_FREQ`` times; asked for the common ones.
+- ``frequent_words`` (FWE, aggregation): made-up words drawn from a Zipf distribution (exponent
+  ``FWE_ALPHA``); asked for the three most frequent, which the draw makes unique.
+
+Question answering (RULER's SQuAD and HotpotQA tasks) needs their data, which no package here ships, so it
+is not built. Words for ``common_words`` come from the bundled essays; ``depth`` only seeds the draw for
+``variables``, ``common_words`` and ``frequent_words``.
+
 What mattered for the default model (docs/benchmarks.md has the measurements):
 the passkey header and question. "There is a pass key hidden ... remember it"
 made the model echo the header (full cache 0.6 at 1K, 0.2 at 2K); the classic
@@ -31,22 +52,47 @@ For ``frequent``, the answer stem ending in "is named": ending in "is", the mode
 often answered "not specified" instead of a name. Asked for the most frequent of
 a plain list of words, it named the right one in none of 10 prompts at 1K.
 
-A hit is the answer in the first ``ANSWER_TOKENS`` generated tokens; for ``twostage`` and ``frequent``,
-the first color or person the model names must be the right one (so naming every one does not score),
-and for ``frequent`` the person's full name must follow.
+A hit is the answer in the first ``ANSWER_TOKENS`` generated tokens (``LONG_ANSWER_TOKENS`` for the
+tasks with several answers, RULER's lengths); for ``twostage`` and ``frequent``, the first color or person
+the model names must be the right one (so naming every one does not score), and for ``frequent`` the
+person's full name must follow.
 """
 
 from __future__ import annotations
 
 import random
 import re
+import string
+from collections import Counter
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 from kvpolicy.offline.sample_text import haystack_text
 
-TASKS = ("passkey", "niah", "multikey", "kv", "twostage", "frequent")
+#: RULER's families (see above), each scored by the share of its answers found.
+RULER_TASKS = ("multivalue", "multiquery", "variables", "common_words", "frequent_words")
+TASKS = ("passkey", "niah", "multikey", "kv", "twostage", "frequent", *RULER_TASKS)
 ANSWER_TOKENS = 16
+#: Tokens generated for the tasks with several answers: four seven-digit numbers take about 40 here.
+LONG_ANSWER_TOKENS = {
+    "multivalue": 64,
+    "multiquery": 64,
+    "variables": 32,
+    "common_words": 64,
+    "frequent_words": 32,
+}
+#: ``multivalue``'s values and ``multiquery``'s queries (RULER's four).
+NEEDLES = 4
+#: ``variables``: hops of the chain (RULER's four: five variables).
+HOPS = 4
+#: ``common_words``: RULER's ten words recurring 30 times, the others 3 times.
+CWE_COMMON = 10
+CWE_COMMON_FREQ = 30
+CWE_RARE_FREQ = 3
+#: ``frequent_words``: RULER's Zipf exponent, and the made-up vocabulary's size.
+FWE_ALPHA = 2.0
+FWE_VOCABULARY = 200
+FWE_ANSWERS = 3
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 WORDS = (
     "apple",
@@ -172,6 +218,29 @@ class TaskItem:
     depth: float
     ids: list[int]
     answer: str
+    #: Every answer a RULER family asks for (``answer`` is them joined); empty for a task with one answer.
+    answers: tuple[str, ...] = ()
+
+
+def answer_tokens(task: str) -> int:
+    """Tokens generated for an answer to ``task``."""
+    return LONG_ANSWER_TOKENS.get(task, ANSWER_TOKENS)
+
+
+def score(item: TaskItem, text: str) -> float:
+    """The share of the item's answers in ``text`` as whole words (RULER's recall, case ignored); a hit or not
+    for a task with one answer."""
+    if item.answers:
+        return sum(
+            re.search(rf"\b{re.escape(answer)}\b", text, re.IGNORECASE) is not None for answer in item.answers
+        ) / len(item.answers)
+    return float(is_hit(item, text))
+
+
+@cache
+def essay_words() -> tuple[str, ...]:
+    """The bundled essays' lowercase words of 4-9 letters, sorted: ``common_words``'s vocabulary."""
+    return tuple(sorted(set(re.findall(r"\b[a-z]{4,9}\b", haystack_text()))))
 
 
 def is_hit(item: TaskItem, text: str) -> bool:
@@ -237,6 +306,7 @@ class TaskBuilder:
         answer: str,
         haystack: str,
         rng: random.Random,
+        answers: tuple[str, ...] = (),
     ) -> TaskItem:
         head_ids, question_ids = self.encode(head), self.encode(question)
         needle_ids = [(d, self.encode(text)) for d, text in needles]
@@ -245,7 +315,7 @@ class TaskBuilder:
             raise ValueError(f"{task}: {length} tokens leave no room for filler")
         filler = self.prose(room, rng) if haystack == "prose" else self.repeated_filler(room)
         ids = head_ids + self.insert(filler, needle_ids) + question_ids
-        return TaskItem(task, length, depth, ids, answer)
+        return TaskItem(task, length, depth, ids, answer, answers)
 
     def passkey(self, length: int, depth: float, rng: random.Random) -> TaskItem:
         key = str(rng.randrange(10000, 100000))
@@ -359,6 +429,127 @@ class TaskBuilder:
         tail = self.encode(question)
         pad = length - len(body) - len(tail)
         return TaskItem(task, length, depth, body + self.encode(" ") * pad + tail, answer)
+
+    def _spread(self, depth: float) -> list[float]:
+        """``NEEDLES`` depths a ``1 / NEEDLES`` of the context apart, the first at ``depth``."""
+        return [(depth + i / NEEDLES) % 1 for i in range(NEEDLES)]
+
+    def _numbers_for(self, task: str, length: int, depth: float, words: list[str], numbers: list[str], rng) -> TaskItem:
+        """RULER's needles, ``One of the special magic numbers for {word} is: {number}.``, spread from ``depth``;
+        every number asked for, of every word."""
+        needles = [
+            (d, f" One of the special magic numbers for {w} is: {n}.")
+            for d, w, n in zip(self._spread(depth), words, numbers)
+        ]
+        query = words[0] if len(set(words)) == 1 else ", ".join(words[:-1]) + f" and {words[-1]}"
+        head = (
+            "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+            "I will quiz you about the numbers afterwards.\n\n"
+        )
+        question = (
+            f"\n\nWhat are all the special magic numbers for {query} mentioned in the provided text?\n"
+            f"Answer: The special magic numbers for {query} mentioned in the provided text are"
+        )
+        return self.fit(task, length, depth, head, needles, question, ", ".join(numbers), "prose", rng, tuple(numbers))
+
+    def _magic_number(self, rng: random.Random) -> str:
+        return str(rng.randrange(1000000, 10000000))
+
+    def multivalue(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        word = rng.choice(WORDS)
+        numbers = [self._magic_number(rng) for _ in range(NEEDLES)]
+        return self._numbers_for("multivalue", length, depth, [word] * NEEDLES, numbers, rng)
+
+    def multiquery(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        words = rng.sample(WORDS, NEEDLES)
+        numbers = [self._magic_number(rng) for _ in range(NEEDLES)]
+        return self._numbers_for("multiquery", length, depth, words, numbers, rng)
+
+    def variables(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        names: list[str] = []
+        while len(names) < HOPS + 1:
+            name = "".join(rng.choices(string.ascii_uppercase, k=5))
+            if name not in names and name != "VAR":
+                names.append(name)
+        value = str(rng.randrange(10000, 100000))
+        sources = [value, *names[:-1]]
+        depths = sorted(rng.random() for _ in names)
+        needles = [(d, f" VAR {name} = {source}.") for d, name, source in zip(depths, names, sources)]
+        head = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
+        question = (
+            f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above.\n"
+            f"Answer: According to the chain of variable assignments in the text above, {len(names)} variables "
+            f"are assigned the value {value}, they are:"
+        )
+        return self.fit(
+            "variables", length, depth, head, needles, question, ", ".join(names), "filler", rng, tuple(names)
+        )
+
+    def _listing(self, task: str, length: int, depth: float, head: str, question: str, draw, rng) -> TaskItem:
+        """A prompt whose whole context is the text ``draw(count)`` returns (with its answers) for the largest
+        ``count`` that fits (a bisection), padded to ``length`` with spaces."""
+        head_ids, question_ids = self.encode(head), self.encode(question)
+        room = length - len(head_ids) - len(question_ids)
+        low, high, fitting = 1, room, None
+        while low <= high:
+            count = (low + high) // 2
+            text, answers = draw(count)
+            ids = self.encode(text)
+            if len(ids) <= room:
+                low, fitting = count + 1, (ids, answers)
+            else:
+                high = count - 1
+        if fitting is None:
+            raise ValueError(f"{task}: {length} tokens leave no room for the list")
+        ids, answers = fitting
+        ids = head_ids + ids + self.encode(" ") * (room - len(ids)) + question_ids
+        return TaskItem(task, length, depth, ids, ", ".join(answers), tuple(answers))
+
+    def common_words(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        head = "Below is a numbered list of words. Some of them appear far more often than the others.\n\n"
+        question = (
+            f"\n\nQuestion: What are the {CWE_COMMON} most common words in the above list?\n"
+            f"Answer: The top {CWE_COMMON} words that appear most often in the list are:"
+        )
+        draw_rng = random.Random(rng.random())
+
+        def draw(count: int) -> tuple[str, list[str]]:
+            rng = random.Random(draw_rng.random())
+            frequency = min(CWE_COMMON_FREQ, max(CWE_RARE_FREQ + 1, count // (2 * CWE_COMMON)))
+            rare = max(0, count - CWE_COMMON * frequency) // CWE_RARE_FREQ
+            words = rng.sample(essay_words(), CWE_COMMON + rare)
+            listing = words[:CWE_COMMON] * frequency + words[CWE_COMMON:] * CWE_RARE_FREQ
+            rng.shuffle(listing)
+            return "".join(f" {i}. {word}" for i, word in enumerate(listing, 1)), words[:CWE_COMMON]
+
+        return self._listing("common_words", length, depth, head, question, draw, rng)
+
+    def frequent_words(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        head = (
+            "Read the following coded text and track the frequency of each coded word. "
+            f"Find the {FWE_ANSWERS} most frequently appearing coded words.\n\n"
+        )
+        question = (
+            f"\n\nQuestion: What are the {FWE_ANSWERS} most frequently appearing words in the above coded text?\n"
+            f"Answer: According to the coded text above, the {FWE_ANSWERS} most frequently appearing words are:"
+        )
+        vocabulary: list[str] = []
+        while len(vocabulary) < FWE_VOCABULARY:
+            word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(4, 6)))
+            if word not in vocabulary:
+                vocabulary.append(word)
+        weights = [1 / rank**FWE_ALPHA for rank in range(1, FWE_VOCABULARY + 1)]
+        draw_rng = random.Random(rng.random())
+
+        def draw(count: int) -> tuple[str, list[str]]:
+            rng = random.Random(draw_rng.random())
+            while True:  # redrawn until the three most frequent are unique
+                words = rng.choices(vocabulary, weights, k=count)
+                ranked = Counter(words).most_common(FWE_ANSWERS + 1)
+                if len(ranked) > FWE_ANSWERS and ranked[FWE_ANSWERS - 1][1] > ranked[FWE_ANSWERS][1]:
+                    return " " + " ".join(words), [word for word, _ in ranked[:FWE_ANSWERS]]
+
+        return self._listing("frequent_words", length, depth, head, question, draw, rng)
 
     def build(self, task: str, length: int, depth: float, seed: int) -> TaskItem:
         """One prompt; the same (task, length, depth, seed) always gives the same tokens."""

@@ -8,19 +8,35 @@ import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.common import policy_options
-from benchmarks.quality import compared_cells, policy_grid, reliable_cells, request_budget, servable, summary_rows
+from benchmarks.quality import (
+    compared_cells,
+    family_rows,
+    policy_grid,
+    prompts_needed,
+    reliable_cells,
+    request_budget,
+    servable,
+    summary_rows,
+    wilson,
+)
 from benchmarks.tasks import (
     ACTIVITIES,
+    ANSWER_TOKENS,
     COLORS,
+    CWE_RARE_FREQ,
     FREQUENT_EVERY,
     FREQUENT_TAIL,
     NAMES,
     OTHERS,
+    RULER_TASKS,
     SURNAMES,
     TASKS,
     TaskBuilder,
     TaskItem,
+    answer_tokens,
+    essay_words,
     is_hit,
+    score,
 )
 
 
@@ -151,3 +167,99 @@ def test_pairs_a_policy_cannot_serve_are_left_out_with_the_reason(model_path):
     grid, left_out = servable([("snapkv", ["0.9"]), ("omnikv", ["0.5", "0.9"])], [1000], str(model_path))
     assert grid == [("snapkv", ["0.9"]), ("omnikv", ["0.5"])]
     assert len(left_out) == 1 and left_out[0].startswith("omnikv@0.9: Mem% 10% is below")
+
+
+@pytest.mark.parametrize("task", RULER_TASKS)
+def test_ruler_families_state_every_answer_in_the_context(builder, task):
+    item = builder.build(task, 2000, 0.3, seed=2)
+    context = builder.tokenizer.decode(item.ids).rsplit("\n\n", 1)[0]  # the question cut off
+    assert len(set(item.answers)) == len(item.answers) >= 3
+    assert all(re.search(rf"\b{answer}\b", context) for answer in item.answers)
+    assert answer_tokens(task) > ANSWER_TOKENS
+
+
+def test_multivalue_has_four_numbers_for_one_word_a_quarter_apart(builder):
+    item = builder.build("multivalue", 4000, 0.1, seed=0)
+    text = builder.tokenizer.decode(item.ids)
+    needles = re.findall(r"One of the special magic numbers for (\w+) is: (\d+)\.", text)
+    assert len({word for word, _ in needles}) == 1 and [n for _, n in needles] == list(item.answers)
+    places = [text.index(number) / len(text) for number in item.answers]
+    assert places == sorted(places) and all(0.15 < b - a < 0.35 for a, b in zip(places, places[1:]))
+
+
+def test_multiquery_asks_for_four_words_each_with_its_own_number(builder):
+    item = builder.build("multiquery", 2000, 0.6, seed=0)
+    text = builder.tokenizer.decode(item.ids)
+    needles = dict(re.findall(r"One of the special magic numbers for (\w+) is: (\d+)\.", text))
+    question = text.rsplit("What are all the special magic numbers for ", 1)[1]
+    asked = re.findall(r"\w+", question.split(" mentioned")[0])
+    asked.remove("and")
+    assert len(needles) == 4 and [needles[word] for word in asked] == list(item.answers)
+
+
+def test_variables_is_one_chain_of_four_hops_in_order(builder):
+    item = builder.build("variables", 2000, 0.5, seed=4)
+    text = builder.tokenizer.decode(item.ids)
+    statements = re.findall(r"VAR ([A-Z]{5}) = (\w+)\.", text)
+    value = text.rsplit("assigned the value ", 1)[1].split(",")[0]
+    assert [name for name, _ in statements] == list(item.answers)
+    assert [source for _, source in statements] == [value, *item.answers[:-1]]
+
+
+def test_common_words_recur_more_often_than_every_other_word(builder):
+    item = builder.build("common_words", 2000, 0.5, seed=0)
+    listing = re.findall(r"\d+\. (\w+)", builder.tokenizer.decode(item.ids))
+    counts = Counter(listing)
+    assert {word for word, _ in counts.most_common(len(item.answers))} == set(item.answers)
+    rare = min(counts[word] for word in item.answers)
+    assert rare > max(c for word, c in counts.items() if word not in item.answers) == CWE_RARE_FREQ
+    assert listing and all(word in essay_words() for word in counts)
+
+
+def test_frequent_words_answers_are_the_three_most_frequent_with_no_tie(builder):
+    item = builder.build("frequent_words", 4000, 0.5, seed=1)
+    text = builder.tokenizer.decode(item.ids)
+    words = text.split("\n\n")[1].split()
+    ranked = Counter(words).most_common(4)
+    assert [word for word, _ in ranked[:3]] == list(item.answers)
+    assert ranked[2][1] > ranked[3][1]
+
+
+def test_ruler_score_is_the_share_of_answers_named_as_whole_words():
+    item = TaskItem("multivalue", 10, 0.5, [], "1234567, 7654321", ("1234567", "7654321"))
+    assert score(item, " 1234567 and 7654321.") == 1
+    assert score(item, " 1234567, 765432") == 0.5
+    assert score(item, " 91234567") == 0
+    assert score(TaskItem("niah", 10, 0.5, [], "42"), " 42.") == 1
+
+
+def test_wilson_interval_and_the_prompts_a_five_point_interval_needs():
+    low, high = wilson(0.9, 100)
+    assert low == pytest.approx(0.826, abs=1e-3) and high == pytest.approx(0.945, abs=1e-3)
+    assert wilson(1.0, 20)[1] == 1.0 and wilson(1.0, 20)[0] == pytest.approx(0.839, abs=1e-3)
+    assert prompts_needed(0.5) == 385 and prompts_needed(0.9) == 139 and prompts_needed(1.0) == 1
+
+
+def test_family_rows_pool_the_solved_contexts_and_compare_with_the_full_cache():
+    def row(policy, ratio, context, scores):
+        return {
+            "policy": policy,
+            "budget": None,
+            "ratio": ratio,
+            "task": "variables",
+            "context": context,
+            "accuracy": sum(scores) / len(scores),
+            "scores": scores,
+        }
+
+    rows = [
+        row("none", None, 1000, [1, 1, 1, 0.8]),
+        row("none", None, 2000, [1, 0.6, 1, 1]),
+        row("none", None, 4000, [0, 0, 0.2, 0]),
+        row("adamix", 0.9, 1000, [1, 1, 0.6, 0.8]),
+        row("adamix", 0.9, 2000, [1, 0.6, 1, 1]),
+    ]
+    families = {r["policy"]: r for r in family_rows(rows, compared_cells(rows))}
+    assert families["none"]["n"] == families["adamix"]["n"] == 8
+    assert families["none"]["contexts"] == "1K 2K"
+    assert families["adamix"]["of_full"] == pytest.approx(7.0 / 7.4)
