@@ -16,14 +16,19 @@ elements apart holds every one-head page, at id ``b * block_stride / step + h * 
 what is read). FlashAttention thus reads the cache in place; what a call copies is the queries, gathered
 into virtual-token order ``[rows, G, D]``, and its output, scattered back.
 
-Only the arguments live here, plain torch, tested on CPU against the Triton planner's virtual sequences;
-``benchmarks/gpu_kernels.py`` makes the call on a GPU. Why FlashAttention 3 and what is still to measure:
-docs/architecture.md, "Prompt chunks on CUDA".
+The Triton ops (``ops/triton.py``) call it for every ``attend`` in fp16/bf16 on compute capability 9.x when
+vLLM's wheel carries it (``flash_attention``; ``choose_flash`` is the decision, tested on CPU), and keep
+kvpolicy's Triton kernel for fp32, other GPUs and Triton's interpreter. The arguments are plain torch, tested
+on CPU against the Triton planner's virtual sequences and, through the ops, with a stand-in for the kernel;
+``benchmarks/gpu_kernels.py`` times the kernel beside Triton's on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,48 @@ from kvpolicy_triton import PageGeometry
 
 #: FlashAttention takes page ids, offsets and lengths as int32.
 INDEX_DTYPE = torch.int32
+#: The cache dtypes FlashAttention 3 attends; kvpolicy's Triton kernel takes the others (fp32).
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+#: The compute capability major version FlashAttention 3 is built for (Hopper).
+FLASH_MAJOR = 9
+#: Key splits of a fixed-shape call (vLLM's own default for the FlashAttention calls in its full CUDA graphs,
+#: ``flash_attn_max_num_splits_for_cuda_graph``): a bound set at capture, so that the split buffers the kernel
+#: allocates have one size at every replay; 0 (the kernel's own choice) elsewhere.
+FIXED_SPLITS = 32
+
+logger = logging.getLogger(__name__)
+
+
+def choose_flash(capability: tuple[int, int] | None, unavailable: str | None) -> str | None:
+    """Why FlashAttention 3 does not serve this device (None: it does): ``capability`` the CUDA device's
+    (None: no CUDA device), ``unavailable`` why vLLM's wheel cannot load it (None: it can). The dtype is
+    the call's (``FLASH_DTYPES``)."""
+    if capability is None:
+        return "no CUDA device (kvpolicy's Triton kernel, interpreted on CPU)"
+    if capability[0] != FLASH_MAJOR:
+        return f"compute capability {capability[0]}.{capability[1]}: vLLM's FlashAttention 3 runs on 9.x"
+    return unavailable
+
+
+@functools.cache
+def flash_attention() -> Callable | None:
+    """vLLM's ``flash_attn_varlen_func`` at ``fa_version=3`` for this process's CUDA device, or None (logged once,
+    with why)."""
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    unavailable = None
+    if capability is not None:
+        try:
+            from vllm.vllm_flash_attn import fa_version_unsupported_reason, flash_attn_varlen_func
+        except ImportError as error:  # a CPU build of vLLM, or one whose FlashAttention does not load
+            unavailable = f"vllm.vllm_flash_attn does not import: {error}"
+        else:
+            unavailable = fa_version_unsupported_reason(3)
+    reason = choose_flash(capability, unavailable)
+    if reason is not None:
+        logger.info("kvpolicy's per-head attention: its Triton kernel (%s)", reason)
+        return None
+    logger.info("kvpolicy's per-head attention: FlashAttention 3 in fp16/bf16, its Triton kernel otherwise")
+    return functools.partial(flash_attn_varlen_func, fa_version=3)
 
 
 @dataclass(frozen=True)
@@ -47,8 +94,16 @@ class FlashPages:
     block_step: int
     head_step: int
 
+    @property
+    def same_ids(self) -> bool:
+        """Whether FlashAttention's page ids are kvpolicy's (head-major pages: HND, vLLM's LBHNC layout, or one
+        head per block), so that page tables pass as they are."""
+        return self.block_step == self.heads_per_block and self.head_step == (self.heads_per_block > 1)
+
     def page_ids(self, pages: torch.Tensor) -> torch.Tensor:
         """FlashAttention's page ids of kvpolicy's one-head pages (int32, same shape)."""
+        if self.same_ids:
+            return pages.to(INDEX_DTYPE)
         pages = pages.long()
         block = torch.div(pages, self.heads_per_block, rounding_mode="floor")
         return (block * self.block_step + (pages % self.heads_per_block) * self.head_step).to(INDEX_DTYPE)

@@ -4,7 +4,10 @@ The GPU backend's ops. On a CPU machine they run in Triton's interpreter
 (``TRITON_INTERPRET=1``) over vLLM's CPU cache, which is how the GPU path is
 tested end to end without a GPU. Kernels address the cache through a
 ``PageGeometry`` read off the real tensor: its strides on CUDA, the CPU
-writer's discovered in-page layout on CPU.
+writer's discovered in-page layout on CPU. On a Hopper GPU, ``attend`` in
+fp16/bf16 calls vLLM's FlashAttention 3 over the same pages instead
+(``ops/flash_varlen.py``): decode rows, prompt chunks and the fixed-shape
+decode step alike.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ import torch
 
 from kvpolicy.paging import stock_page_tables, virtual_tokens
 from kvpolicy.vllm.worker.ops.base import KVOps
+from kvpolicy.vllm.worker.ops.flash_varlen import (
+    FIXED_SPLITS,
+    FLASH_DTYPES,
+    INDEX_DTYPE,
+    FlashPages,
+    flash_attention,
+    flash_pages,
+)
 from kvpolicy.vllm.worker.ops.staging import StagedStep, copy_to
 from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows, PerHeadBatch, step_tensors
 from kvpolicy_triton import (
@@ -150,9 +161,12 @@ def cache_geometry(layer, cache: torch.Tensor) -> PageGeometry:
 class TritonOps(KVOps):
     """Kernels over any layer's cache (each layer's impl gives its scale and head counts). One per
     metadata builder: it stages each step it plans, and the attention layers that run the step read
-    the staged copy through it (the step's path holds it)."""
+    the staged copy through it (the step's path holds it).
 
-    def __init__(self):
+    ``flash``: the FlashAttention 3 call ``attend`` makes in fp16/bf16 (``flash_attn_varlen_func``'s signature),
+    by default ``flash_varlen.flash_attention()``: vLLM's on a compute capability 9.x GPU, None elsewhere."""
+
+    def __init__(self, flash=None):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 "kvpolicy's Triton ops need a GPU; on a CPU machine they run only in Triton's interpreter "
@@ -169,6 +183,9 @@ class TritonOps(KVOps):
         self._copy_stream = None
         #: Where fixed-shape split decodes keep their partial states (``fixed_decode_plan``).
         self._workspace = None
+        self.flash = flash if flash is not None else flash_attention()
+        #: Each cache's pages as FlashAttention's K and V views, by the cache's address, shape and strides.
+        self._flash_pages: dict[tuple, FlashPages] = {}
 
     @staticmethod
     def check_impl(impl) -> None:
@@ -291,6 +308,9 @@ class TritonOps(KVOps):
                 token_of, head_of = rows.token_of, rows.head_of
             indices = self._on(cache.device, token_of, head_of, qsl, seq_lens, table)
             longest = virtual.max_seq_len or int(seq_lens.max())
+        if self.flash is not None and query.dtype in FLASH_DTYPES:
+            self._flash_attend(layer, query, out, cache, virtual, rows, indices, longest)
+            return
         impl = layer.impl
         paged_attention(
             query,
@@ -304,6 +324,52 @@ class TritonOps(KVOps):
             longest,
             virtual.workspace,
         )
+
+    def pages_for_flash(self, cache: torch.Tensor) -> FlashPages:
+        """``cache``'s one-head pages as FlashAttention's K and V views (made once per cache: a graph captures them)."""
+        key = (cache.data_ptr(), tuple(cache.shape), cache.stride())
+        pages = self._flash_pages.get(key)
+        if pages is None:
+            pages = self._flash_pages[key] = flash_pages(cache)
+        return pages
+
+    def _flash_attend(self, layer, query, out, cache, virtual: VirtualSequences, rows, indices, longest: int) -> None:
+        """One call of FlashAttention's paged varlen forward over the call's one-head sequences (``kv_heads = 1``,
+        a KV head's G query heads as its heads), reading the cache in place. A fixed-shape call passes its
+        buffers' views as they are, with the longest sequence the model allows and ``FIXED_SPLITS``, so a graph
+        replays it at any lengths; its padded sequences are 0 keys long and read nothing."""
+        token_of, head_of, qsl, seq_lens, table = indices
+        impl = layer.impl
+        heads, group = impl.num_kv_heads, impl.num_queries_per_kv
+        pages = self.pages_for_flash(cache)
+        sequences = token_of.numel()
+        in_place = rows is not None and rows.whole_batch  # every (token, head) of the first tokens, in order
+        if in_place:
+            tokens = sequences // heads
+            q = query[:tokens].reshape(sequences, group, impl.head_size)
+            target = out[:tokens].view(sequences, group, impl.head_size) if out[:tokens].is_contiguous() else None
+        else:
+            q = query.unflatten(1, (heads, group))[token_of, head_of]
+            target = None
+        result = self.flash(
+            q,
+            pages.key,
+            pages.value,
+            virtual.max_query_len,
+            qsl.to(INDEX_DTYPE),
+            longest,
+            seqused_k=seq_lens.to(INDEX_DTYPE),
+            softmax_scale=impl.scale,
+            causal=True,
+            block_table=pages.page_ids(table),
+            out=target,
+            num_splits=FIXED_SPLITS if virtual.max_seq_len is not None else 0,
+        )
+        if target is None:
+            if in_place:
+                out[:tokens] = result.view(tokens, heads * group, impl.head_size)
+            else:
+                out.unflatten(1, (heads, group))[token_of, head_of] = result
 
     def copy_pages(self, source, target, copies):
         if source.device == target.device:  # within vLLM's buffer: one gather and scatter, indices staged
