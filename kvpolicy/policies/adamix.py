@@ -1,39 +1,13 @@
-"""Ada-Mix: Ada-KV's head-adaptive allocation over observation-window and KeyDiff rankings combined.
+"""Ada-Mix (ours): Ada-KV's head-adaptive allocation over observation-window and KeyDiff rankings combined.
 
-None of the five papers has it; the quality harness chose it (docs/policies.md
-has every variant tried and the seeds they were picked and reported on).
-On the default model the attention-free KeyDiff scores keep needles that the
-observation window misses, while the window keeps the next-token
-distribution; each score ranks a layer's prefix tokens, and the two rankings
-are combined:
+On the default model KeyDiff's attention-free scores keep needles the observation window misses; both scores
+become ranks over the layer, so neither scale dominates and Ada-KV still moves budget between heads, and a
+token either ranking puts high is kept. Chosen on tuning prompts by the quality harness: docs/policies.md.
 
-- Both scores are turned into ranks over the whole layer (every head's prefix
-  tokens together, 0 = lowest, normalised to [0, 1]), so neither scale
-  dominates and a head whose tokens rank high in the layer still wins more of
-  the layer's budget, as Ada-KV needs.
-- ``combine="union"`` (the default, the harness's pick):
-  ``score = max(rank(window), rank(keydiff))``, so a token either ranking puts
-  near the top is kept.
-- ``combine="blend"``: ``score = (1 - mix) * rank(window) + mix * rank(keydiff)``;
-  ``mix = 0`` is Ada-SnapKV exactly, ``mix = 1`` is Ada-KV's allocation over
-  KeyDiff scores.
-- The window scores are max-pooled with a kernel of 15, not SnapKV's 7: on
-  the quality harness's dev prompts the wider kernel kept whole seven-digit
-  needles (one token per digit here) where 7 kept their first digits.
-- At a tenth of the prompt kept (ratio 0.9) three more choices, from the
-  tuning prompts: the pooling window is moved 4 tokens back (``pool_shift``),
-  so the plateau around a score's peak covers 3 tokens before it and 11
-  after: the window attends to the key word, and what a question asks for
-  follows it (a centred kernel cut the number's last digits); a KV head
-  scores a token by the max over its query heads, not their mean
-  (``group_scores``), so a token one retrieval head reads is not diluted by
-  the two that read elsewhere; and the observation window is 16 queries, not
-  32: the window is always kept, and at 1K tokens and ratio 0.9 32 of them
-  were a third of the budget.
-- Allocation and ``budget`` as in Ada-SnapKV (``alpha`` safeguard;
-  ``alpha = 1`` gives every head the same count).
-- KeyDiff's anchor is the mean normalised key over the whole prompt, read at
-  prompt end (the engine compresses this family once per prompt).
+Papers: *Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference*,
+arXiv:2407.11550; *KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
+Resource-Constrained Environments*, arXiv:2504.15364. Parameters: ``combine`` (union, or blend by ``mix``,
+0.5), ``window`` (16), ``pool_kernel`` (15), ``pool_shift`` (4), ``group_scores`` (max), ``alpha`` (0.5).
 """
 
 from __future__ import annotations

@@ -23,24 +23,15 @@ class HeadGroup:
 
 @dataclass(frozen=True)
 class PromptKV:
-    """One layer's view of a finished prompt, as a policy needs it.
+    """One layer's view of a finished prompt, as a policy needs it; in decode (policies that evict as they
+    generate), the layer's cache so far in position order, with what the policy carried from its last compression.
 
-    ``keys``: [kv_heads, prompt_len, head_dim]. ``window_queries``: the last
-    prompt queries of this layer, [q_heads, window, head_dim] (post-RoPE, as
-    attention sees them), or None for attention-free policies. ``queries``:
-    every prompt query, [q_heads, prompt_len, head_dim], for policies that
-    accumulate attention over the whole prompt (H2O, D2O), and, when the
-    backend computed them (the C++ op on CPU), ``column_sums``: their causal
-    attention's column sums, [q_heads, prompt_len] float64, as
-    ``h2o.attention_column_sums`` defines them. ``values``:
-    [kv_heads, prompt_len, head_dim], for policies that rewrite kept tokens
-    (D2O merges evicted values into them). ``heads``: this rank's share of
-    the layer's KV heads under tensor parallelism (None: all are here).
-
-    In decode (policies that evict as they generate) it is the layer's cache
-    so far, tokens in position order, with what the policy carried from its
-    last compression: ``scores``, [kv_heads, n] float64, each token's
-    accumulated attention; ``threshold``, [kv_heads], D2O's EMA threshold.
+    ``keys``, ``values``: [kv_heads, prompt_len, head_dim] (values for policies that rewrite kept tokens).
+    ``window_queries``: the last prompt queries, [q_heads, window, head_dim], post-RoPE (None: attention-free).
+    ``queries``: every prompt query, [q_heads, prompt_len, head_dim] (H2O, D2O); ``column_sums``: their causal
+    attention's column sums, [q_heads, prompt_len] float64, when the backend computed them (the C++ op on CPU).
+    ``heads``: this rank's share of the layer's KV heads under tensor parallelism (None: all). Carried into
+    decode: ``scores``, [kv_heads, n] float64, accumulated attention; ``threshold``, [kv_heads], D2O's EMA.
     """
 
     keys: torch.Tensor

@@ -1,17 +1,11 @@
 """A token-selecting policy is a scorer and an allocator, composed.
 
-- A ``Scorer`` says which positions a head always keeps (``Split``: first sinks, last recent tokens) and
-  scores the others; it declares what it reads (``Inputs``).
-- A ``LayerAllocator`` turns the budget into this layer's capacity (``SameBudget``, PyramidKV's
-  depth-falling capacities, D2O's budgets from every layer's attention variance).
-- A ``HeadAllocator`` spreads the layer's capacity over its heads (``UniformHeads``, Ada-KV's layer-wide
-  top-k); each head keeps its best-scored tokens up to its count, and the split's positions.
-- A ``Rewrite`` changes the kept tokens' K/V after the choice (D2O merges the evicted ones into them).
-- The ``Schedule`` says when the engine applies the policy (at prompt end, per prompt chunk, in decode).
-
-``compose`` makes a policy class of them whose dataclass fields are its parts' options, so
-``compose("adasnap", ObservationWindow(), heads=AdaKV())`` is Ada-KV over SnapKV's scorer and takes
-``window``, ``pool_kernel`` and ``alpha``.
+A ``Scorer`` says which positions a head always keeps (``Split``) and scores the others, declaring what it
+reads (``Inputs``); a ``LayerAllocator`` turns the budget into this layer's capacity and a
+``HeadAllocator`` spreads it over the heads, each keeping its best-scored tokens; a ``Rewrite`` changes the
+kept tokens' K/V after the choice; the ``Schedule`` says when the engine applies the policy. ``compose``
+makes a policy class of them whose dataclass fields are its parts' options:
+``compose("adasnap", ObservationWindow(), heads=AdaKV())`` takes ``window``, ``pool_kernel`` and ``alpha``.
 """
 
 from __future__ import annotations

@@ -1,46 +1,13 @@
-"""D2O (arXiv:2406.13035): layer budgets from attention variance; H2O eviction with sinks; evicted tokens merged back.
+"""D2O: layer budgets from attention variance, H2O eviction with sinks, evicted tokens merged back.
 
-Readings we chose (the paper's equations did not survive text extraction;
-the prose of §4, Table 4, §5.1 and App. A.3 settles them):
+Each layer gets a share of ``layers * budget`` inverse to the variance of its prompt attention's column
+sums; a head keeps sinks, a recent share and H2O's heavy hitters, and merges each evicted token into its
+nearest kept key when their similarity reaches a per-head EMA threshold. Decode evicts a page at a time as
+H2O does, against the carried scores and threshold. The readings we chose: docs/policies.md#d2o.
 
-- Layer density (§4.1, eq. 4): per query head, the column sums of the causal
-  softmax attention of every prompt query (the "cumulative attention
-  sequence"); its population variance over positions; averaged over the
-  layer's query heads.
-- Layer budgets (eq. 5, Table 4 "inverse variance softmax"): layer l gets
-  ``layers * budget * softmax_l(1 / var_l)`` tokens per KV head, rounded by
-  largest remainder (floors, then one more token to the largest fractional
-  parts, ties to the lower layer), so the total is exactly
-  ``layers * budget``. A layer whose budget reaches its prompt length keeps
-  the prompt whole; its surplus is not handed to other layers.
-- Eviction (§4.2.1, eq. 6-8): H2O accumulated attention (GQA: mean over the
-  group), the first ``sink_tokens`` and the last ``floor(budget *
-  recent_fraction)`` tokens always kept; ``recent_fraction`` = 1/4 from
-  N:M = 3:1 (§5.1, A.3). Sinks and recent tokens both count in ``budget``.
-- Matching (eq. 9): each evicted key's cosine similarity to every kept key
-  of its KV head (sinks, heavy hitters and recent tokens alike); its nearest
-  kept key (ties to the earlier one).
-- EMA threshold (eq. 10), one per KV head: at the prompt, the mean over the
-  evicted tokens of their best similarity; at each later eviction,
-  ``beta * mean(best similarities of this step) + (1 - beta) * previous``,
-  beta = 0.7 (A.3). The threshold is updated first; an evicted token is then
-  merged if its best similarity reaches it, and discarded otherwise.
-- Weighted merge (eq. 11-12, GAT-style): a kept token j and the evicted
-  tokens merged into it are averaged with weights ``exp(similarity)``, j's
-  own similarity being 1: ``k_j <- (e*k_j + sum_i exp(u_ij) k_i) / (e + sum_i
-  exp(u_ij))``; values take the same weights (§4.2.2: similarity on keys only,
-  shared with values). Computed in float64, returned in the input dtype.
-
-Decode follows H2O's (h2o.py): generated tokens' attention is added to the
-scores and, once a page's worth of tokens is over a layer's budget, that
-layer evicts back to it (sinks, recent quarter, heavy hitters) and merges
-the evicted tokens against the carried threshold. Every layer keeps the
-budget it got at prompt end.
-
-In the engine: every layer's column sums are taken as the layer runs
-(``observe``), the layer budgets once the last layer has run, and then each
-layer is compressed and its merged K/V written into its pages; in decode
-the backend adds attention weights and runs the eviction passes as for H2O.
+Paper: *D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language
+Models*, arXiv:2406.13035. Parameters: ``sink_tokens`` (4), ``recent_fraction`` (1/4), ``beta`` (0.7),
+``merge`` (true).
 """
 
 from __future__ import annotations

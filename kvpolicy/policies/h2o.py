@@ -1,39 +1,13 @@
 """H2O heavy hitters: accumulated attention, plus a recent window, kept as the request generates.
 
-The baseline named in KeyDiff (arXiv:2504.15364) and D2O (arXiv:2406.13035); H2O itself is
-Zhang et al., arXiv:2306.14048. Readings
-we chose:
+A token's score is the attention every query that has seen it paid it; a head keeps its most recent
+tokens and the best-scored older ones, and in decode adds each new token's attention and evicts back to
+the budget once a page's worth is over it, so whole pages are freed. The readings we chose, and how the
+engine supplies the column sums: docs/policies.md#h2o.
 
-- Accumulated score of a token: the sum, over every query that has seen it,
-  of its causal softmax attention weight (at prompt end, the column sums of
-  the prompt's attention matrix), per query head. Logits and softmax in
-  float32, sums in float64. GQA: the query heads sharing a KV head are
-  averaged, as the KeyDiff paper (App. B.2) does for its H2O baseline.
-- ``budget`` counts every token a head keeps: the last ``floor(budget *
-  recent_fraction)`` are always kept, and the rest of the budget goes to the
-  best scores among the older tokens (ties to the earlier position).
-  ``recent_fraction`` = 1/2: H2O's experiments give heavy hitters and recent
-  tokens equal budgets (its code's ``heavy_ratio`` = ``recent_ratio``).
-- Scores are plain sums, not divided by the number of queries that saw a
-  token: the paper's score is the accumulated attention, and the division
-  is commented out in its code.
-- Decode, at page granularity: each new token's attention weights over the
-  cache are added to the scores (its own score starts at its own weight).
-  The paper evicts the lightest older token at every step; we evict once a
-  page's worth of tokens (``block_size``) is over budget, keeping the same
-  rule (recent tokens plus the best scores), so a head attends over
-  ``budget`` to ``budget + block_size`` tokens and pages are freed
-  whole. A token that one-step eviction would drop may survive until the
-  page fills and be judged again then.
-
-In the engine, the backend hands over the prompt's column sums (on CPU it
-attends each prompt chunk itself and sums its queries' weights from the same
-products) or, where it cannot, every prompt query of each layer, stashed
-while the prompt is read; it compresses at prompt end. In decode the fused attention kernel returns no
-weights, so the backend recomputes the new token's weights over the
-budget-sized cache it just attended (``new_token_attention``: one batched
-product per layer over every relocated request and head) and the builder
-schedules an eviction pass whenever a page's worth is over budget.
+Paper: *H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models*,
+arXiv:2306.14048 (the baseline of KeyDiff, arXiv:2504.15364, and D2O, arXiv:2406.13035). Parameters:
+``recent_fraction`` (1/2).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""KeyDiff (arXiv:2504.15364): keep the keys least similar to the head's mean key; no attention needed.
+"""KeyDiff: keep the keys least similar to the head's mean key; no attention needed.
 
-Readings we chose (the paper's equations did not survive text extraction;
-its prose in §2.4, §3.2 and §3.3 settles them):
+A token scores ``-cos(key, anchor)``, the anchor being the mean L2-normalised key of the head's cache,
+and the ``budget`` best are kept; a prompt read in blocks is evicted after each block is appended (eq. 6),
+so it completes in a pool smaller than itself. The readings we chose: docs/policies.md#keydiff.
 
-- Score (eq. 8, the efficient variant the paper evaluates): for each KV head,
-  the anchor is the mean of the L2-normalised keys of that head's cache, and a
-  token scores ``-cos(key, anchor)``; the ``budget`` highest scores are kept
-  (ties to the earlier position), in float64 so near-ties order the same in
-  the policy and its reference.
-- Block prompt processing (eq. 6): the next prompt block is appended to the
-  cache first, and the policy is then applied to that intermediate cache, so
-  the anchor at each step is the mean over the kept tokens *and* the new
-  block. A prompt read as a single block gives the same result as ``keep``
-  (§2.4: a block size equal to the prompt length is plain prompt-end eviction).
-- ``budget`` counts every token a head keeps; KeyDiff keeps no sinks and no
-  recent window of its own (Table 1's plain KeyDiff rows).
+Paper: *KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
+Resource-Constrained Environments*, arXiv:2504.15364. Parameters: ``budget`` only (no sinks, no recent
+window: Table 1's plain KeyDiff).
 """
 
 from __future__ import annotations

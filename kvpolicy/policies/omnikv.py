@@ -1,24 +1,13 @@
 """OmniKV: a few filter layers choose, at each decode step, the context the layers after them attend to.
 
-Nothing is dropped. Layers below ``dense_layers`` (the paper's L0), each
-filter layer and the layer right after it attend to the whole context
-(eq. 2); every other layer attends only to what the last filter layer before
-it selected this step (eq. 1).
+Nothing is dropped: layers below ``dense_layers``, each filter layer and the layer right after it attend
+to the whole context (eq. 2); every other layer attends only to the pages the last filter layer before it
+selected this step by the decode token's attention (eq. 1, 3-4), which makes long-context decode cheaper.
+Selection is by page, as a paged cache is read; the readings we chose and the budget as Mem%:
+docs/policies.md#omnikv.
 
-Readings we chose where the paper leaves room:
-
-- Selection is at page granularity, because a paged cache is addressed by
-  pages: eq. (4)'s token scores are summed per page (a page's share of the
-  attention mass the selector saw, which is what a sparse layer loses when
-  the page is left out), and the best ``ceil(k / page_size)`` pages are kept.
-  The page holding the current token is always among them (the token attends
-  to itself; that page is still filling). Token-level top-k would scatter
-  ``k`` tokens over up to ``k`` pages; pages keep the attended count at ``k``
-  rounded up to a page, at the price of recall inside each page.
-- Query-key products run in the cache's precision (the keys are the bulk:
-  the whole context); softmax and sums in float64.
-- Budget as Mem% (paper §5): the dense layers hold everything, so the sparse
-  layers get ``(mem - f) / (1 - f)`` of the context, ``f = (2|L| + L0) / L``.
+Paper: *OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs* (ICLR 2025, no arXiv version).
+Parameters: ``filter_layers`` (2, 9, 15 for the default model), ``dense_layers`` (2).
 """
 
 from __future__ import annotations

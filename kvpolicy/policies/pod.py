@@ -1,31 +1,13 @@
 """PoD: proximal tokens over distant tokens, with inter-layer sharing of the distant tokens' scores.
 
-Every token attends to its *proximal* tokens (the first ``sink_tokens`` and the
-last ``recent_tokens``) with its own layer's queries and keys; for the
-*distant* tokens between them, a layer reuses the attention logits of the
-lowest layer of its block (layers grouped offline by attention similarity,
-Algorithm 1) with its own values (eq. 3), and a parameter-free gate combines
-the two groups (eq. 4). Only the lowest layer of a block needs the distant
-tokens' keys, which is where the memory goes (§2.3).
+Every token attends to its proximal tokens (the first ``sink_tokens``, the last ``recent_tokens``) with its own
+layer's keys, and to the distant ones between with the logits of the lowest layer of its block (layers grouped
+offline by attention similarity) and its own values, eq. 4's gate making that one softmax. Only a block's lowest
+layer needs the distant keys; the others free them. Our readings: docs/policies.md.
 
-Readings we chose where the paper leaves room (docs/policies.md has the numbers):
-
-- ``sim_h(a, b)`` is written as the mean Jensen-Shannon divergence but read
-  as "similar when >= delta" with ``0 <= sim <= 1``: we use one minus the mean
-  JS divergence (base-2 logarithms, so it lies in [0, 1]).
-- Blocks are per KV head, not per query head: a key is shared by the query
-  heads of its group, so only a grouping of KV heads can drop keys. A KV
-  head's similarity is the mean over its query heads.
-- Eq. 4's gate makes eq. 3-4 one softmax over the concatenated logits
-  (proximal from this layer, distant from the lowest layer) applied to this
-  layer's values: ``shared_attention`` computes it that way.
-- Sharing applies in decode, after the prompt is read with full attention
-  (the paper's untrained setting would otherwise change every prompt token's
-  output too); the distant set is the prompt's middle, fixed at the end of
-  the prompt, and every generated token is proximal.
-- ``tau`` (§2.3): a non-lowest layer skips the distant tokens, per query
-  head, when the proximal share of the gate is at least ``tau``; None never
-  skips.
+Paper: *Compressing KV Cache for Long-Context LLM Inference with Inter-Layer Attention Similarity*,
+arXiv:2412.02252. Parameters: ``sink_tokens`` (16), ``recent_tokens`` (1008), ``tau`` (None: never skip),
+``groups`` and ``delta`` (the offline grouping, and a threshold to regroup it at).
 """
 
 from __future__ import annotations
@@ -126,56 +108,6 @@ class LayerGroups:
                 "`python -m kvpolicy.offline.calibrate_pod --model MODEL --out PATH`, or drop --kv-pod-delta"
             )
         return cls.of(group_layers(torch.tensor(grouping["similarity"], dtype=torch.float64), delta))
-
-
-def proximal_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """[G, m] float32: one KV head's query heads' scaled logits over this layer's own keys."""
-    return (query.float() @ keys.float().T) * scale
-
-
-def proximal_gate(own: torch.Tensor, distant_logits: torch.Tensor) -> torch.Tensor:
-    """Eq. 4's ``g`` per query head, [G]: the proximal tokens' share of the attention mass."""
-    own_mass = own.logsumexp(dim=-1)
-    return (own_mass - torch.logaddexp(own_mass, distant_logits.float().logsumexp(dim=-1))).exp()
-
-
-def attend_shared(
-    own: torch.Tensor,
-    values: torch.Tensor,
-    distant_logits: torch.Tensor | None,
-    distant_values: torch.Tensor | None,
-    tau: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``shared_attention`` from the proximal logits ``own`` (``proximal_logits``), so a caller that
-    also needs them (a lowest layer's distant logits, the gate) computes them once."""
-    if distant_logits is None:
-        return own.softmax(dim=-1) @ values.float(), torch.zeros(own.shape[0], dtype=torch.bool, device=own.device)
-    logits = torch.cat([own, distant_logits.float()], dim=-1)
-    weights = logits.softmax(dim=-1)
-    out = weights[:, : own.shape[1]] @ values.float() + weights[:, own.shape[1] :] @ distant_values.float()
-    if tau is None:
-        return out, torch.zeros(own.shape[0], dtype=torch.bool, device=own.device)
-    skipped = proximal_gate(own, distant_logits) >= tau
-    return torch.where(skipped[:, None], own.softmax(dim=-1) @ values.float(), out), skipped
-
-
-def shared_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    distant_logits: torch.Tensor | None,
-    distant_values: torch.Tensor | None,
-    scale: float,
-    tau: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 3-4 for one decode query of one KV head: (output [G, D] float32, [G] whether the distant part was skipped).
-
-    ``query`` [G, D] (the KV head's query heads); ``keys``/``values`` [m, D]: this layer's own
-    tokens (every token in a block's lowest layer; the proximal ones elsewhere); ``distant_logits``
-    [G, n_d]: the lowest layer's scaled logits of the distant tokens, with ``distant_values`` [n_d, D]
-    this layer's values of them; both None in a lowest layer.
-    """
-    return attend_shared(proximal_logits(query, keys, scale), values, distant_logits, distant_values, tau)
 
 
 @dataclass(frozen=True)

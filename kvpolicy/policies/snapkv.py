@@ -1,31 +1,14 @@
-"""Observation-window policies of the Ada-KV paper: SnapKV's scorer, Ada-KV's and PyramidKV's allocators, and
-SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid composed of them.
+"""SnapKV's scorer, Ada-KV's and PyramidKV's allocators, and the Ada-KV paper's four policies made of them.
 
-Readings we chose where the paper's text leaves the formula out (its
-algorithm boxes did not survive extraction; the authors' code settles them):
+The last ``window`` prompt queries score the prefix (softmax summed over the window, max-pooled); a head keeps
+the window and its best prefix tokens, as many as its allocator gives: the same count for every head (SnapKV),
+a layer-wide top-k with a safeguard (Ada-KV), or a capacity falling with depth (PyramidKV). Our readings where
+the paper leaves the formula out: docs/policies.md.
 
-- ``budget`` counts every token a KV head keeps, the observation window
-  included: the window is always kept, and ``budget - window`` prefix tokens
-  are chosen by score.
-- Scores: softmax of the window queries against all prompt keys (causal
-  inside the window), in float64 (so near-ties order the same everywhere), summed over the window, max-pooled over
-  positions (kernel 7, centred). GQA: the pooled scores of the query heads sharing a KV
-  head are averaged (the reading kvpress and the authors' GQA branch use).
-  Ada-Mix moves the pooling window and takes the group's max instead
-  (``pool_shift``, ``group_scores``; docs/policies.md says why).
-- Ada-KV allocation (Algorithm 2 with the safeguard): the top
-  ``H * (budget - window)`` scores of the layer over all heads at once give
-  each head a count ``c_h``; head h then keeps
-  ``round((1 - alpha) * c_h + floor(alpha * (budget - window)))`` prefix
-  tokens, its own best by score; alpha = 0.5. Ties (max-pooling makes many)
-  go to the lower head, then the earlier position.
-- Pyramid layer budgets (PyramidKV, beta = 20): prefix capacity falls
-  linearly with depth from ``2*base - base//beta`` to ``base//beta`` (capped by
-  the prompt), so the mean over layers stays ``base = budget - window``. The
-  step is fractional and each layer's capacity rounded: the authors' code
-  floors the step instead, which leaves every layer above that line (up to
-  ~5% over the budget on average, and a prompt one token over the budget
-  kept whole in every layer).
+Papers: *Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference*,
+arXiv:2407.11550; *SnapKV: LLM Knows What You are Looking for Before Generation*, arXiv:2404.14469; *PyramidKV:
+Dynamic KV Cache Compression based on Pyramidal Information Funneling*, arXiv:2406.02069. Parameters: ``window``
+(32), ``pool_kernel`` (7), ``pool_shift`` (0), ``group_scores`` (mean), ``alpha`` (0.5), ``beta`` (20).
 """
 
 from __future__ import annotations
