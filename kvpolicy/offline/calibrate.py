@@ -3,55 +3,11 @@
     python -m kvpolicy.offline.calibrate [--model PATH] [--prompts N] [--length TOKENS]
                                  [--top-k K] [--span N] [--threshold X] [--out PATH]
 
-OmniKV (paper §3, §4.1) lets a few *filter* layers pick the context that the
-layers after them attend to, which only works where the tokens one layer
-attends to are the ones later layers attend to as well. §5.3 finds that
-ability to be a property of the layer, not of the task, so it is measured
-once per model, here on Paul Graham essays (the haystack of our benchmarks).
-
-Measurement, per prompt (``--prompts`` windows of ``--length`` tokens from
-evenly spread places in the essays):
-
-- ``A_i[h, t]``: layer i's post-softmax attention of the prompt's *last*
-  token, query head h, over every token t of the prompt (itself included).
-  This is the decode-time query OmniKV's selector sees.
-- Selection (eq. 4, last-token selector): ``S_i = max_h A_i[h, :]``,
-  ``T_i = top-k of S_i`` (``--top-k``).
-- ``sim(i, j) = sum over t in T_i of mean_h A_j[h, t]``: the attention mass
-  layer j puts on the tokens layer i picked, i.e. what layer j keeps if it
-  only sees ``T_i`` (Figure 1a, Figure 8).
-- Self recall of layer i: ``sim(i, i)``; low when the layer's attention is
-  spread out (the paper's "reduced sparsity" of shallow layers).
-- Filter ability of layer i: the mean of ``sim(i, j)`` for j in
-  ``i+1 .. i+span`` (``--span``, clipped at the last layer; undefined for
-  the last layer).
-
-``sim`` is averaged over prompts before anything is derived from it.
-
-Proposal (filter layers serve the layers after them; ``OmniKV.source_layers``
-says which):
-
-- L0 (``dense_layers``; layers below it attend to everything) is the first
-  layer whose self recall and filter ability are both at least
-  ``--threshold`` (default 0.8: a filter layer's picks must hold 80% of the
-  attention of the layers it serves). On SmolLM2-135M with the defaults
-  (k = 256 of 2048 tokens) layers 0 and 1 score 0.45-0.55 in filter ability
-  and every later layer 0.81 or more, so 0.8 sits in that gap. L0 is also
-  the first filter layer (eq. 1 needs a selection from L0 on).
-- Each further filter layer (at most 3 in all, as in the paper) is the one
-  with the highest filter ability among ``prev + span//2 .. prev + span``:
-  far enough from the previous pick that it serves layers of its own, near
-  enough that the previous selection is not used beyond the distance its
-  filter ability was measured over.
-- A filter layer is never one of the last two layers: the layer after a
-  filter layer attends to everything (eq. 2), so it would serve nothing.
-- When no layer reaches the threshold, nothing is proposed: every layer stays
-  dense.
-
-The table and JSON give, per layer, its role under the proposal (dense,
-filter, full = right after a filter layer, sparse <- its filter layer) and
-for sparse layers the *kept mass* ``sim(filter layer, layer)``: the share of
-its attention that survives when it sees only the filter layer's picks.
+A filter layer's picks serve the layers after it only where they attend to the same tokens, and the paper finds that a
+property of the layer, not of the task (§5.3): so it is measured once per model, on the essays of our benchmarks, as
+the attention mass later layers put on each layer's top-k tokens for the last token, and turned into ``dense_layers``
+and ``filter_layers``. The measure, the rule and the default model's numbers: docs/policies.md#omnikv. Paper: *OmniKV:
+Dynamic Context Selection for Efficient Long-Context LLMs* (ICLR 2025, no arXiv version).
 """
 
 from __future__ import annotations

@@ -3,18 +3,11 @@
     python -m kvpolicy.offline.calibrate_pod [--model PATH] [--prompts N] [--length TOKENS]
                                      [--queries Q] [--delta X] [--out PATH]
 
-The sibling of ``python -m kvpolicy.offline.calibrate`` (OmniKV), on the same text
-(Paul Graham essays) and windows. Per prompt, every layer's post-softmax
-attention of the last ``--queries`` tokens over the tokens before them
-(PoD §2.1, ``S^{l,h}`` with q rows), per query head. ``sim_h(a, b)`` is one
-minus the Jensen-Shannon divergence (base 2) of layers a and b's rows,
-averaged over rows and prompts, then over the query heads of each KV head
-(PoD shares keys, which belong to KV heads). Algorithm 1 groups consecutive
-layers with threshold ``--delta``: 0.65, the lowest that kept the default
-model's 4K retrieval within 5 points of the full cache untrained
-(``benchmarks/pod_delta.py``); the paper's 0.5 comes with its post-training.
-The JSON (with the similarity, so ``--kv-pod-delta`` can regroup it) is what
-the engine reads (``--kv-pod-groups``); a PNG of the similarity beside it.
+The sibling of ``python -m kvpolicy.offline.calibrate`` on the same essays: one minus the Jensen-Shannon
+divergence of two layers' attention rows per KV head, grouped by Algorithm 1 at ``--delta`` (0.65 for the
+untrained default model). The JSON, with the similarity so ``--kv-pod-delta`` can regroup it, is what
+``--kv-pod-groups`` reads; how and why: docs/policies.md#pod. Paper: *Compressing KV Cache for Long-Context
+LLM Inference with Inter-Layer Attention Similarity*, arXiv:2412.02252.
 """
 
 from __future__ import annotations

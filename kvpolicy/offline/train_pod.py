@@ -3,39 +3,11 @@
     python -m kvpolicy.offline.train_pod [--model PATH] [--groups PATH] [--out DIR] [--steps N] [--length TOKENS]
                                  [--sink-tokens N] [--recent-tokens N] [--lr X] [--save-every N]
 
-PoD lets a layer reuse, for distant tokens, the attention logits of the lowest
-layer of its block (eq. 3-4, grouping from ``python -m kvpolicy.offline.calibrate_pod``);
-the paper post-trains the model with that sharing in place so that it learns to
-live with it. Here the training forward is eq. 3-4 for every query position at
-once (the masked parallel form of Figure 2-②), registered as a transformers
-attention function (``SharedAttention``), so the trained weights stay a plain
-LlamaForCausalLM that vLLM serves as is.
-
-Readings we chose where the paper leaves room:
-
-- Query position t's proximal keys are j < n_s or t - j < n_r, its distant
-  keys the other j <= t (eq. 3 with n = t + 1; no distant keys when
-  t < n_s + n_r, footnote 2).
-- In layer l and KV head h whose block's lowest layer is s != l, the distant
-  logits are layer s's ``Q_s K_s^T / sqrt(d)`` of the same query head
-  (eq. 3), not detached: gradients reach layer s through them. The proximal
-  logits are layer l's own, and eq. 4's gate makes eq. 3-4 one softmax over
-  both, applied to layer l's own values (as ``shared_attention`` in
-  ``kvpolicy.policies.pod``). Lowest layers attend as usual.
-- Data: ``--steps`` windows of ``--length`` tokens, evenly spread over the
-  essays (``calibrate.sample_windows``) and shuffled with a fixed seed, one
-  window per step (batch 1); the last ``--length`` tokens are held out and
-  never trained on. AdamW with a cosine decay from ``--lr`` to 0 (the
-  paper: lr 1e-5, cosine schedule; it trains on 5B tokens of Dolma at 32K).
-- Defaults n_s = 16 and n_r = 128, so that a 1024-token window has distant
-  tokens; the paper trains with n_s = 16, n_r = 4080 (§3) and our engine's
-  default is n_r = 1008 (``PoD.recent_tokens``): serve the trained model
-  with ``--recent-tokens`` set to the n_r it was trained with.
-
-``--out`` ends up as an HF folder (model and tokenizer, ``save_pretrained``),
-with ``train_log.json`` (loss per step, held-out loss before and after, with
-full attention and with sharing) and ``checkpoint.pt`` (model, optimizer,
-step): rerunning the same command continues from the checkpoint.
+The paper post-trains the model with the sharing in place so that it learns to live with it. The training forward is
+eq. 3-4 at every position at once (Figure 2-②'s masked form), a transformers attention function (``SharedAttention``)
+whose distant logits come, with their gradients, from the block's lowest layer, so the weights stay a plain
+LlamaForCausalLM that vLLM serves. Data, schedule, outputs and what it did: docs/policies.md#pod. Paper: *Compressing
+KV Cache for Long-Context LLM Inference with Inter-Layer Attention Similarity*, arXiv:2412.02252.
 """
 
 from __future__ import annotations
