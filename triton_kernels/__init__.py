@@ -19,7 +19,7 @@ from .paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
-from .pod_attention import pod_attention, pod_attention_reference
+from .pod_attention import pod_attention, pod_attention_reference, shared_attention_reference
 from .relocate import (
     gather_tokens,
     gather_tokens_reference,
@@ -62,6 +62,7 @@ __all__ = [
     "pod_attention_reference",
     "scatter_tokens",
     "scatter_tokens_reference",
+    "shared_attention_reference",
     "specialization",
     "window_attention_sums",
     "window_scores",

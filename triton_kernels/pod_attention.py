@@ -255,6 +255,25 @@ def pod_attention(
     return skipped.bool()
 
 
+def shared_attention_reference(query, keys, values, distant_logits, distant_values, scale, tau=None):
+    """Eq. 3-4 for one decode query of one KV head: (output [G, D] float32, [G] bool, the heads whose distant
+    part ``tau`` skipped).
+
+    ``query`` [G, D] (the KV head's query heads); ``keys``/``values`` [m, D]: this layer's own tokens;
+    ``distant_logits`` [G, n_d]: the lowest layer's scaled logits of the distant tokens, with
+    ``distant_values`` [n_d, D] this layer's values of them; both None in a lowest layer. Eq. 4's gate
+    makes eq. 3-4 one softmax over the concatenated logits, applied to this layer's values.
+    """
+    own = (query.float() @ keys.float().T) * scale
+    proximal = own.softmax(dim=-1) @ values.float()
+    if distant_logits is None:
+        return proximal, torch.zeros(own.shape[0], dtype=torch.bool, device=own.device)
+    both = torch.cat([own, distant_logits.float()], dim=-1)
+    joint = both.softmax(dim=-1) @ torch.cat([values.float(), distant_values.float()])
+    skipped = (own.logsumexp(dim=-1) - both.logsumexp(dim=-1)).exp() >= _never(tau)
+    return torch.where(skipped[:, None], proximal, joint), skipped
+
+
 def pod_attention_reference(
     query,
     out,
@@ -274,7 +293,7 @@ def pod_attention_reference(
     num_kv_heads,
     tau=None,
 ) -> torch.Tensor:
-    """Plain torch, one sequence at a time in order: one softmax over the own and the shared distant logits."""
+    """Plain torch, one sequence at a time in order: ``shared_attention_reference`` over the sequence's rows."""
     storage = flat(cache)
     bs = geom.block_size
     group = query.shape[1] // num_kv_heads
@@ -289,19 +308,15 @@ def pod_attention_reference(
         n, start, count = int(seq_lens[s]), int(distant_start[s]), int(distant_count[s])
         heads = slice(int(head_of[s]) * group, (int(head_of[s]) + 1) * group)
         q = query[int(token_of[s]), heads].float()
-        own = q @ rows_at(page_table[s], n, False).T * scale
-        values = rows_at(page_table[s], n, True)
+        keys, values = rows_at(page_table[s], n, False), rows_at(page_table[s], n, True)
         if int(write_to[s]) >= 0:
-            distant_logits[int(write_to[s]), :, :count] = own[:, start : start + count]
-        result = own.softmax(dim=-1) @ values
+            distant_logits[int(write_to[s]), :, :count] = (q @ keys.T * scale)[:, start : start + count]
+        far = far_values = None
         if int(read_from[s]) >= 0 and count:
-            far = distant_logits[int(read_from[s]), :, :count].float()
+            far = distant_logits[int(read_from[s]), :, :count]
             pairs = -(-count // 2)
             even, odd = rows_at(value_table[s], pairs, False), rows_at(value_table[s], pairs, True)
             far_values = torch.stack([even, odd], dim=1).flatten(0, 1)[:count]
-            both = torch.cat([own, far], dim=-1)
-            joint = both.softmax(dim=-1) @ torch.cat([values, far_values])
-            skipped[s] = (own.logsumexp(dim=-1) - both.logsumexp(dim=-1)).exp() >= _never(tau)
-            result = torch.where(skipped[s, :, None], result, joint)
+        result, skipped[s] = shared_attention_reference(q, keys, values, far, far_values, scale, tau)
         out[int(token_of[s]), heads] = result.to(out.dtype)
     return skipped

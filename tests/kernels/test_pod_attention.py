@@ -1,12 +1,12 @@
-"""pod_attention against its reference and kvpolicy's PoD ``attend_shared``: a lowest layer that stores its
-distant logits, then a layer whose sequences either share them (with packed distant values) or keep every key."""
+"""pod_attention against its reference and against eq. 3-4 in the paper's gate form, written here: a lowest layer
+that stores its distant logits, then a layer whose sequences either share them (with packed distant values) or keep
+every key."""
 
 import math
 
 import pytest
 import torch
 
-from kvpolicy.policies.pod import attend_shared, proximal_logits
 from kvpolicy_triton import flat, pod_attention_reference
 from tests.kernels.paging import DEVICE, DTYPES, IMPLEMENTATIONS, LAYOUTS, TOLERANCE, index, make_cache, shuffled_pages
 
@@ -92,7 +92,8 @@ def test_pod_attention(ops, dtype, layout, kv_heads, tau):
     if tau is not None:
         assert want.any() and not want.all(), "tau skips some heads' distant part and keeps others'"
 
-    # The sharing sequences against the policy's eq. 3-4, from the same pages.
+    # The sharing sequences against eq. 3-4 as the paper writes them, o = g o_P + (1 - g) o_D (the reference is
+    # one softmax over both sets of logits), from the same pages.
     storage = flat(cache)
     token_of, head_of, table, lengths, value_table, _, counts, read_from, _ = (t.cpu() for t in shared)
 
@@ -100,17 +101,20 @@ def test_pod_attention(ops, dtype, layout, kv_heads, tau):
         positions = torch.arange(n)
         return storage[geom.element_index(pages[positions // bs] * bs + positions % bs, value)].float()
 
-    # (A sequence with no distant token has nothing to skip; the policy's gate calls that a proximal share of 1.)
+    # (A sequence with no distant token has nothing to skip: its gate is 1.)
     for s in torch.nonzero((read_from >= 0) & (counts > 0)).flatten().tolist():
         n, count, head = int(lengths[s]), int(counts[s]), int(head_of[s])
         q = query[int(token_of[s]), head * group : (head + 1) * group]
-        own = proximal_logits(q, rows_at(table[s].long(), n, False), scale)
+        own = (q.double() @ rows_at(table[s].long(), n, False).double().T) * scale
         pairs = -(-count // 2)
         packed = [rows_at(value_table[s].long(), pairs, value) for value in (False, True)]
-        far_values = torch.stack(packed, dim=1).flatten(0, 1)[:count]
-        result, skipped = attend_shared(
-            own, rows_at(table[s].long(), n, True), logits[int(read_from[s]), :, :count], far_values, tau
-        )
+        far_values = torch.stack(packed, dim=1).flatten(0, 1)[:count].double()
+        far = logits[int(read_from[s]), :, :count].double()
+        proximal = own.softmax(-1) @ rows_at(table[s].long(), n, True).double()
+        gate = own.exp().sum(-1) / (own.exp().sum(-1) + far.exp().sum(-1))
+        skipped = gate >= (math.inf if tau is None else tau)
+        joint = gate[:, None] * proximal + (1 - gate[:, None]) * (far.softmax(-1) @ far_values)
+        result = torch.where(skipped[:, None], proximal, joint).float()
         torch.testing.assert_close(
             out[int(token_of[s]), head * group : (head + 1) * group].float(), result, **TOLERANCE[dtype]
         )

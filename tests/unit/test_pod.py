@@ -1,4 +1,5 @@
-"""PoD: the similarity and grouping of §2.1, eq. 3-4 against a reference written from the paper, and the shared layout."""
+"""PoD: the similarity and grouping of §2.1, eq. 3-4 (``kvpolicy_triton.shared_attention_reference``, which the
+kernels are tested against) against a reference written from the paper, and the shared layout."""
 
 import json
 import math
@@ -16,10 +17,8 @@ from kvpolicy.policies.pod import (
     PoD,
     group_layers,
     js_similarity,
-    proximal_gate,
-    proximal_logits,
-    shared_attention,
 )
+from kvpolicy_triton import shared_attention_reference
 
 
 def reference_pod(q_own, k_own, v_own, q_low, k_low, sinks, recent, scale):
@@ -69,7 +68,9 @@ def test_shared_attention_is_eq_3_and_4():
     proximal = torch.cat([torch.arange(sinks), torch.arange(n - recent, n)])
     distant = torch.arange(sinks, n - recent)
     distant_logits = (q_low @ k_low[distant].T) * scale
-    out, skipped = shared_attention(q_own, k_own[proximal], v_own[proximal], distant_logits, v_own[distant], scale)
+    out, skipped = shared_attention_reference(
+        q_own, k_own[proximal], v_own[proximal], distant_logits, v_own[distant], scale
+    )
     expected = torch.stack(
         [reference_pod(q_own[g], k_own, v_own, q_low[g], k_low, sinks, recent, scale) for g in range(group)]
     )
@@ -81,8 +82,8 @@ def test_a_lowest_layer_sharing_with_itself_is_full_attention():
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 8), torch.randn(20, 8), torch.randn(20, 8)
     full = ((q @ k.T) * 0.3).softmax(-1) @ v
-    own, _ = shared_attention(q, k, v, None, None, 0.3)
-    split, _ = shared_attention(q, k[:5], v[:5], (q @ k[5:].T) * 0.3, v[5:], 0.3)
+    own, _ = shared_attention_reference(q, k, v, None, None, 0.3)
+    split, _ = shared_attention_reference(q, k[:5], v[:5], (q @ k[5:].T) * 0.3, v[5:], 0.3)
     torch.testing.assert_close(own, full)
     torch.testing.assert_close(split, full)
 
@@ -91,9 +92,10 @@ def test_tau_skips_the_distant_part_where_the_proximal_gate_reaches_it():
     torch.manual_seed(2)
     q, k, v = torch.randn(2, 8), torch.randn(6, 8), torch.randn(6, 8)
     distant_logits = torch.tensor([[-30.0, -30.0], [5.0, 5.0]])
-    gate = proximal_gate(proximal_logits(q, k, 1.0), distant_logits)
+    own = q @ k.T
+    gate = own.exp().sum(-1) / (own.exp().sum(-1) + distant_logits.exp().sum(-1))  # eq. 4's g, from the paper
     assert gate[0] > 0.99 > gate[1]
-    out, skipped = shared_attention(q, k, v, distant_logits, torch.randn(2, 8), 1.0, tau=0.99)
+    out, skipped = shared_attention_reference(q, k, v, distant_logits, torch.randn(2, 8), 1.0, tau=0.99)
     assert skipped.tolist() == [True, False]
     torch.testing.assert_close(out[0], (q[0] @ k.T).softmax(-1) @ v)
 

@@ -17,7 +17,7 @@ from kvpolicy.policies import CompressedKV, PromptKV, make_policy
 from kvpolicy.policies.h2o import add_new_token, attention_column_sums, new_token_attention
 from kvpolicy.policies.keydiff import keydiff_block_step
 from kvpolicy.policies.omnikv import SELECTORS, context_scores, page_sums
-from kvpolicy.policies.pod import shared_attention
+from kvpolicy_triton import shared_attention_reference as shared_attention
 
 H, G, D, L = 3, 3, 16, 150
 BUDGET = 40

@@ -4,8 +4,11 @@ Inside a page the CPU writer packs tokens for its ISA; ``page_layout``
 discovers where from the writer itself. On the ``vec`` ISAs that packing is
 affine (K transposed), and the C++ ops read and move tokens in place through
 its ``PageGeometry``: token moves, new-token weights (H2O/D2O), OmniKV's
-context scores, and the prompt's attention column sums. An ISA that packs
-otherwise (logged once) takes the torch path over the discovered offsets.
+context attention, PoD's shared attention, and the prompt's attention column
+sums. An ISA that packs otherwise (logged once) moves tokens through the
+discovered offsets, and its attention ops run the same C++ ops on a copy of the
+pages a call reads, laid out affinely (``affine_pages``): each op's math has
+one implementation on this platform, whatever the ISA.
 """
 
 from __future__ import annotations
@@ -18,10 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.paging import PageLayout
-from kvpolicy.paging.page_table import page_slots
-from kvpolicy.policies.h2o import new_token_attention
-from kvpolicy.policies.omnikv import context_scores, page_sums
-from kvpolicy.policies.pod import attend_shared, proximal_logits
 from kvpolicy.vllm.internals import envs, ops
 from kvpolicy.vllm.worker.ops.base import KVOps
 from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows
@@ -98,11 +97,28 @@ def cpu_geometry(layout: PageLayout, cache: torch.Tensor) -> PageGeometry | None
     return PageGeometry(block_size, width // 2, heads, heads * page_elems, page_elems, *keys, *values)
 
 
+def affine_pages(
+    layout: PageLayout, one_head: torch.Tensor, *tables: torch.Tensor
+) -> tuple[torch.Tensor, PageGeometry, list[torch.Tensor]]:
+    """The one-head pages that ``tables`` name (-1: none), copied out of ``one_head`` (pages packed as
+    ``layout`` says) into a new head-major cache [pages, 1, block_size, 2*head_size], its geometry, and
+    ``tables`` renumbered into it: what the C++ ops read where the packing is not affine."""
+    used = torch.cat([table.reshape(-1) for table in tables]).long()
+    used = used[used >= 0].unique()
+    bs = layout.block_size
+    keys, values = layout.gather(one_head, (used[:, None] * bs + torch.arange(bs)).reshape(-1))
+    pages = torch.cat([keys, values], dim=-1).view(used.numel(), 1, bs, 2 * layout.head_size)
+    number = torch.full((int(used.max()) + 1 if used.numel() else 1,), -1, dtype=torch.long)
+    number[used] = torch.arange(used.numel())
+    renumbered = [torch.where(table >= 0, number[table.long().clamp(min=0)], table.long()) for table in tables]
+    return pages, PageGeometry.head_major(pages), renumbered
+
+
 @functools.cache
 def _log_torch_path(isa: str) -> None:
     logger.warning(
-        "vLLM's CPU ISA %r packs KV pages non-affinely: kvpolicy's C++ ops cannot address them, "
-        "token moves and scores take the slower torch path",
+        "vLLM's CPU ISA %r packs KV pages non-affinely: kvpolicy's C++ ops cannot address them in place, "
+        "token moves take the slower torch path and attention ops read a copy of their pages",
         isa,
     )
 
@@ -271,76 +287,32 @@ class CPUOps(KVOps):
         out[chunk.token_idx] = attended.transpose(0, 1).to(out.dtype)
         return sums
 
+    def _addressed(self, layer, cache, *tables: torch.Tensor):
+        """``cache``, its geometry and ``tables``, as the C++ ops read them: in place where the pages are
+        affine, else a copy of the pages the tables name (``affine_pages``)."""
+        geometry = self._geometry(layer, cache)
+        if geometry is not None:
+            return cache, geometry, tables
+        return affine_pages(cache_layout(layer, cache), self.views(layer, cache).one_head, *tables)
+
     def pod_attention(self, layer, query, out, cache, call):
         impl = layer.impl
-        geometry = self._geometry(layer, cache)
-        if geometry is not None:
-            return kvpolicy_csrc.pod_attention(
-                query,
-                out,
-                cache,
-                geometry,
-                *call.indices(),
-                call.distant_logits,
-                impl.scale,
-                impl.num_kv_heads,
-                call.tau,
-            )
-        return self._pod_attention_by_gather(layer, query, out, cache, call)
-
-    def _pod_attention_by_gather(self, layer, query, out, cache, call) -> torch.Tensor:
-        """The torch path: each sequence's tokens gathered through the page layout, eq. 3-4 by the policy."""
-        impl = layer.impl
-        group, bs = impl.num_queries_per_kv, cache.shape[2]
-        skipped = torch.zeros(call.token_of.numel(), group, dtype=torch.bool)
-        columns = (call.token_of, call.head_of, call.seq_lens, call.distant_start, call.distant_count)
-        columns += (call.read_from, call.write_to)
-        for s, (token, head, n, start, count, read, write) in enumerate(zip(*(t.tolist() for t in columns))):
-            keys, values = self.gather(layer, cache, page_slots(call.page_table[s].tolist(), n, bs))
-            own = proximal_logits(query[token, head * group : (head + 1) * group], keys, impl.scale)
-            if write >= 0:
-                call.distant_logits[write, :, :count] = own[:, start : start + count]
-            far = far_values = None
-            if read >= 0 and count:
-                far = call.distant_logits[read, :, :count]
-                pairs = page_slots(call.value_table[s].tolist(), -(-count // 2), bs)
-                even, odd = self.gather(layer, cache, pairs)
-                far_values = torch.stack([even, odd], dim=1).flatten(0, 1)[:count]
-            result, skipped[s] = attend_shared(own, values, far, far_values, call.tau)
-            out[token, head * group : (head + 1) * group] = result.to(out.dtype)
-        return skipped
+        token_of, head_of, page_table, seq_lens, value_table, *distant = call.indices()
+        pages, geometry, (page_table, value_table) = self._addressed(layer, cache, page_table, value_table)
+        indices = (token_of, head_of, page_table, seq_lens, value_table, *distant)
+        return kvpolicy_csrc.pod_attention(
+            query, out, pages, geometry, *indices, call.distant_logits, impl.scale, impl.num_kv_heads, call.tau
+        )
 
     def new_token_weights(self, layer, query, cache, batch, rows):
-        """The fused kernel returns no weights: recompute them from the keys, read in place by the C++
-        op (else from a strided view of one copy of each page's K part, in one batched product)."""
+        """The fused kernel returns no weights: the C++ op recomputes them from the keys."""
         impl = layer.impl
-        geometry = self._geometry(layer, cache)
-        if geometry is not None:
-            args = (rows.token_of, rows.head_of, batch.block_table, batch.seq_lens, impl.scale, impl.num_kv_heads)
-            return kvpolicy_csrc.new_token_weights(query, cache, geometry, *args).double()
-        lengths = batch.seq_lens.long()
-        table = batch.block_table.long()[:, : -(-int(lengths.max()) // cache.shape[2])]
-        keys = cache_layout(layer, cache).page_keys(self.views(layer, cache).one_head, table)
-        row_shape = (impl.num_queries_per_kv, impl.head_size)
-        return new_token_attention(keys, lengths, by_head(query, rows, impl.num_kv_heads, row_shape))
+        pages, geometry, (table,) = self._addressed(layer, cache, batch.block_table)
+        args = (rows.token_of, rows.head_of, table, batch.seq_lens, impl.scale, impl.num_kv_heads)
+        return kvpolicy_csrc.new_token_weights(query, pages, geometry, *args).double()
 
     def context_attention(self, layer, query, out, cache, page_ids, token_idx, lengths):
-        impl = layer.impl
-        geometry = self._geometry(layer, cache)
-        if geometry is not None:
-            args = (token_idx, page_ids, lengths, impl.scale)
-            return kvpolicy_csrc.context_attention(query, out, cache, geometry, *args)
-        self._context_attention_by_gather(layer, query, out, cache, page_ids, token_idx, lengths)
-        keys = cache_layout(layer, cache).page_key_blocks(self.views(layer, cache).one_head, page_ids)
-        queries = query[token_idx].view(-1, impl.num_heads, 1, impl.head_size)
-        return page_sums(context_scores(queries, keys, lengths), cache.shape[2])
-
-    def _context_attention_by_gather(self, layer, query, out, cache, page_ids, token_idx, lengths) -> None:
-        """The torch path: each row's tokens gathered through the page layout, attended KV head by KV head."""
-        group, bs = layer.impl.num_queries_per_kv, cache.shape[2]
-        for row, (token, n) in enumerate(zip(token_idx.tolist(), lengths.tolist())):
-            for head, pages in enumerate(page_ids[row].tolist()):
-                keys, values = self.gather(layer, cache, page_slots(pages, n, bs))
-                heads = slice(head * group, (head + 1) * group)
-                weights = torch.softmax(query[token, heads].float() @ keys.float().T * layer.impl.scale, dim=-1)
-                out[token, heads] = (weights @ values.float()).to(out.dtype)
+        pages, geometry, (page_ids,) = self._addressed(layer, cache, page_ids)
+        return kvpolicy_csrc.context_attention(
+            query, out, pages, geometry, token_idx, page_ids, lengths, layer.impl.scale
+        )
