@@ -131,6 +131,26 @@ def worker_state(llm):
     return llm.collective_rpc(_kvpolicy_state)[0]
 
 
+def run_the_gpu_ops_on_cpu(fixed_decode: bool) -> None:
+    """The CPU backend on kvpolicy's Triton ops (in Triton's interpreter) instead of its CPU ops, refusing the
+    layers they cannot serve as a GPU does; ``fixed_decode``: decode steps in the fixed shapes of a GPU's full
+    CUDA graphs. For this process's engine (the worker runs in it), before it starts."""
+    from kvpolicy.vllm.worker import cpu_backend
+    from kvpolicy.vllm.worker.ops.triton import TritonOps
+
+    builder, impl = cpu_backend.KVPolicyCPUMetadataBuilder, cpu_backend.KVPolicyCPUImpl
+    builder.make_ops = lambda self: TritonOps()
+    if fixed_decode:
+        builder.fixed_decode_rows = lambda self: self.vllm_config.scheduler_config.max_num_seqs
+    make_impl = impl.__init__
+
+    def checked_impl(self, *args, **kwargs):
+        make_impl(self, *args, **kwargs)
+        TritonOps.check_impl(self)
+
+    impl.__init__ = checked_impl
+
+
 def _ops_name(worker):
     return _kvpolicy_state(worker).ops
 
@@ -305,7 +325,7 @@ def main() -> int:
     )
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's asynchronous scheduler, on CPU too")
     parser.add_argument(
-        "--fixed-decode", action="store_true", help="decode batches in the fixed shapes of CUDA graphs (Triton ops)"
+        "--fixed-decode", action="store_true", help="with --ops triton: decode in the fixed shapes of CUDA graphs"
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -318,12 +338,8 @@ def main() -> int:
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["OMP_NUM_THREADS"] = "1"
-    if args.ops:
-        os.environ["KVPOLICY_OPS"] = args.ops
-        if args.ops == "triton":
-            os.environ["TRITON_INTERPRET"] = "1"
-    if args.fixed_decode:
-        os.environ["KVPOLICY_FIXED_DECODE"] = "1"
+    if args.ops == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
     if args.stock:
         os.environ["VLLM_PLUGINS"] = ""
     else:
@@ -333,6 +349,8 @@ def main() -> int:
             from kvpolicy.vllm.worker.ops import cpu
 
             cpu.cpu_geometry = lambda layout, cache: None  # as for a layout the C++ ops cannot address
+        if args.ops == "triton":
+            run_the_gpu_ops_on_cpu(args.fixed_decode)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -1,5 +1,6 @@
 """The options' one source: each option's field gives the CLI flag, its help and the docs' tables."""
 
+import re
 from dataclasses import fields
 
 import pytest
@@ -33,6 +34,7 @@ def test_the_flags_are_todays():
         "policy",
         "budget",
         "ratio",
+        "decode_buffer",
         "window",
         "pool_kernel",
         "pool_shift",
@@ -99,3 +101,14 @@ def test_a_new_snapkv_family_policy_is_one_compose_line():
         "beta",
         "alpha",
     ]
+
+
+def test_kvpolicy_reads_no_environment_variable_the_operations_doc_does_not_list():
+    """Operators set options; the few environment variables kvpolicy's code reads are listed in
+    docs/operations.md. Test-only switches live in the tests, not in the package."""
+    read = set()
+    for path in (ROOT / "kvpolicy").rglob("*.py"):
+        read |= set(re.findall(r"[\"'](KVPOLICY_[A-Z0-9_]+)[\"']", path.read_text()))
+    section = (ROOT / "docs" / "operations.md").read_text().split("## Environment variables")[1].split("\n## ")[0]
+    listed = set(re.findall(r"^\| `(KVPOLICY_[A-Z0-9_]+)` \|", section, re.M))
+    assert read == listed == {"KVPOLICY_CACHE", "KVPOLICY_DIAGNOSE"}

@@ -3,30 +3,22 @@
 Sibling of ``cuda_backend.py``: both attach the step that their builder's
 ``StepBuilder`` makes to their platform's metadata, and both mix
 ``KVPolicyAttention`` into their platform's impl; only the ops differ
-(``KVPOLICY_OPS``, default ``cpu``).
+(``make_ops``: vLLM's CPU kernels and kvpolicy's C++ ops).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 
 from kvpolicy.vllm.internals import CPU_ATTN_MODULE
 from kvpolicy.vllm.worker.attention import KVPolicyAttention
 from kvpolicy.vllm.worker.modes.base import StepShape
-from kvpolicy.vllm.worker.ops import ops_name
+from kvpolicy.vllm.worker.ops import KVOps
 from kvpolicy.vllm.worker.step import Step
 from kvpolicy.vllm.worker.step_builder import KVPolicyMetadataBuilder
 
 _cpu_attn = importlib.import_module(CPU_ATTN_MODULE)
-#: Set to 1 (with ``KVPOLICY_OPS=triton``) to run decode batches in fixed shapes on CPU (``fixed_decode_rows``).
-FIXED_DECODE_ENV = "KVPOLICY_FIXED_DECODE"
-
-
-def uses_triton() -> bool:
-    """Whether this backend runs kvpolicy's Triton kernels (interpreted on CPU) instead of vLLM's CPU kernels."""
-    return ops_name("cpu") == "triton"
 
 
 @dataclass
@@ -53,20 +45,17 @@ class KVPolicyCPUMetadataBuilder(KVPolicyMetadataBuilder, _cpu_attn.CPUAttention
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.max_model_len = vllm_config.model_config.max_model_len
-        if uses_triton():
-            from kvpolicy.vllm.worker.ops.triton import TritonOps
+        self.ops = self.make_ops()
 
-            self.ops = TritonOps()
-        else:
-            from kvpolicy.vllm.worker.ops.cpu import CPUOps
+    def make_ops(self) -> KVOps:
+        """vLLM's CPU kernels and kvpolicy's C++ ops. (Engine tests run the GPU's Triton ops here, interpreted,
+        by replacing this method: ``tests/e2e/engine_run.py``.)"""
+        from kvpolicy.vllm.worker.ops.cpu import CPUOps
 
-            self.ops = CPUOps(self)
+        return CPUOps(self)
 
     def fixed_decode_rows(self) -> int:
-        """None: the CPU platform has no CUDA graphs. ``KVPOLICY_FIXED_DECODE=1`` with the Triton ops runs
-        decode batches in the fixed shapes a GPU's full graphs replay, to test them end to end."""
-        if os.environ.get(FIXED_DECODE_ENV) == "1" and uses_triton():
-            return self.vllm_config.scheduler_config.max_num_seqs
+        """0: the CPU platform has no CUDA graphs, so no decode step needs a fixed shape."""
         return 0
 
     def step_shape(self) -> StepShape:
@@ -82,9 +71,4 @@ class KVPolicyCPUMetadataBuilder(KVPolicyMetadataBuilder, _cpu_attn.CPUAttention
 
 
 class KVPolicyCPUImpl(KVPolicyAttention, _cpu_attn.CPUAttentionBackendImpl):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if uses_triton():
-            from kvpolicy.vllm.worker.ops.triton import TritonOps
-
-            TritonOps.check_impl(self)
+    """vLLM's CPU attention impl, with kvpolicy's step before and around it (``KVPolicyAttention``)."""

@@ -170,7 +170,7 @@ class TritonOps(KVOps):
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 "kvpolicy's Triton ops need a GPU; on a CPU machine they run only in Triton's interpreter "
-                "(set TRITON_INTERPRET=1 before starting, for tests), or drop KVPOLICY_OPS=triton"
+                "(set TRITON_INTERPRET=1 before starting, for tests)"
             )
         self._heads_plan: tuple[torch.Tensor | None, VirtualSequences | None] = (None, None)
         #: The current step's index tensors on the device (``stage``).
