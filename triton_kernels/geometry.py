@@ -1,16 +1,13 @@
 """Where a token's K and V lie in a paged KV cache, as plain integers a kernel can take.
 
-kvpolicy addresses the cache as *one-head pages*: page ``p`` is KV head
-``p % heads_per_block`` of vLLM block ``p // heads_per_block``, holding
-``block_size`` tokens; a slot is ``page * block_size + token``. Element
-(page ``p``, token ``t``, dim ``d``) of K sits, in the cache's flat storage, at
+kvpolicy addresses the cache as *one-head pages*: page ``p`` is KV head ``p % heads_per_block`` of vLLM block ``p //
+heads_per_block``, of ``block_size`` tokens. Element (page ``p``, token ``t``, dim ``d``) of K sits in flat storage at
 
     (p // heads_per_block) * block_stride + (p % heads_per_block) * head_stride
         + k_offset + t * k_token_stride + d * k_dim_stride
 
-and likewise for V. One description covers vLLM's CPU pages (K transposed
-inside a page on the ``vec`` ISAs) and GPU caches in either HND or NHD order,
-so a kernel never assumes a layout: the caller reads it off the real cache.
+and likewise for V: vLLM's CPU pages (K transposed in a page on the ``vec`` ISAs) and GPU caches in HND or NHD order
+alike, so a kernel never assumes a layout: the caller reads it off the real cache.
 """
 
 from __future__ import annotations

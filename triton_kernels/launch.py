@@ -1,17 +1,13 @@
 """How the engine's kernels are compiled: one variant per set of compile-time constants, nothing more.
 
-Triton compiles a kernel again for every new *specialization* of its arguments: each integer argument
-that is 1 or a multiple of 16, each pointer that is 16-byte aligned. In the engine those change from
-step to step (a call's row count, its page table's width, a view into the step's staged buffer), so
-a run would compile new variants while it serves, each compile stalling a step for seconds. A
-kernel made with ``steady_jit`` is specialized on its ``tl.constexpr`` arguments, the caller's
-choice among a few tilings, which a warm-up can launch once each, and on the arguments that never
-change while an engine serves: the pointers named in ``ALIGNED`` always start a whole tensor (the KV
-cache, the step's queries and output) and keep their alignment hint, and the integers named in
-``STABLE`` (a token's layout in a page, the strides of the model's queries, keys, values and output) keep
-theirs (1, or a multiple of 16): knowing a head's elements contiguous is what lets the loads along
-it vectorize. Without that hint (the first version of this module, 2026-11-28) decode attention ran
-at 11-12% of an H200's HBM bandwidth, against 54-57% of an H100's before.
+Triton compiles a kernel again for every new *specialization* of its arguments: each integer argument that is 1 or a
+multiple of 16, each pointer that is 16-byte aligned. In the engine those change from step to step, so a run would
+compile new variants while it serves, each compile stalling a step for seconds. A kernel made with ``steady_jit`` is
+specialized on its ``tl.constexpr`` arguments, the caller's choice among a few tilings, which a warm-up can launch once
+each, and on the arguments that never change while an engine serves: the pointers named in ``ALIGNED`` always start a
+whole tensor (the KV cache, the step's queries and output) and keep their alignment hint, and the integers named in
+``STABLE`` (a page's token layout, the model's tensor strides) keep theirs (1, or a multiple of 16): knowing a head's
+elements contiguous is what lets the loads along it vectorize.
 """
 
 from __future__ import annotations

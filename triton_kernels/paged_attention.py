@@ -1,14 +1,11 @@
 """Causal attention of virtual tokens (one KV head's query heads of one batch token) over one-head pages.
 
-A virtual sequence is one KV head of one request, with its own length and
-page table, so every KV head may keep a different number of tokens. One
-program serves a tile of consecutive virtual tokens of one sequence: their
-query heads stacked as the rows of one [BLOCK_Q * GROUP_PAD, D] tile (so a
-decode token's G heads fill tensor-core rows), walking the sequence's keys
-BLOCK_N at a time (a tile spans several pages, each token's page looked up
-in the table) with an online softmax. Long decodes are split along the keys
-over ``splits`` programs whose partial softmax states one reduction merges
-(flash-decoding), so a small batch still fills the GPU.
+A virtual sequence is one KV head of one request, with its own length and page table, so every KV head may keep a
+different number of tokens. One program serves a tile of consecutive virtual tokens of one sequence: their query heads
+stacked as the rows of one [BLOCK_Q * GROUP_PAD, D] tile (so a decode token's G heads fill tensor-core rows), walking
+the sequence's keys BLOCK_N at a time (a tile spans several pages, each token's page looked up in the table) with an
+online softmax. Long decodes are split along the keys over ``splits`` programs whose partial softmax states one
+reduction merges (flash-decoding), so a small batch still fills the GPU.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Pages of an OmniKV request whose sparse layers live in a separate host pool.
 
-With ``--kv-offload`` a request keeps in vLLM's KV pool (the device): every
-page of its full-attention layers, one tail page per (sparse layer, kv head)
-where that layer's new tokens are written, and per sparse layer the staging
-pages its selected context is copied into before it attends; a page still
-selected at the next step stays there and is not copied again. The completed
-pages of the sparse layers sit in the host pool. A vLLM block spans every
-layer, so this frees blocks only when pages are shared across layers: page
-ids here are global over vLLM's one KV buffer (layer ``l``, block ``b``, head
-``h`` is page ``layer_base[l] + b*H + h``), and a full layer's page may sit
-in another layer's region of a block the request keeps.
+With ``--kv-offload`` a request keeps in vLLM's KV pool (the device): every page of its full-attention layers, one tail
+page per (sparse layer, kv head) where that layer's new tokens are written, and per sparse layer the staging pages its
+selected context is copied into before it attends; a page still selected at the next step stays there and is not copied
+again. The completed pages of the sparse layers sit in the host pool. A vLLM block spans every layer, so this frees
+blocks only when pages are shared across layers: page ids here are global over vLLM's one KV buffer (layer ``l``, block
+``b``, head ``h`` is page ``layer_base[l] + b*H + h``), and a full layer's page may sit in another layer's region of a
+block the request keeps.
 """
 
 from __future__ import annotations

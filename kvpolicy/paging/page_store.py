@@ -1,15 +1,12 @@
 """Page tables, lengths and free pages of every relocated request of a worker, one row each of batch-wide arrays.
 
-A decode step appends a token to every (layer, KV head) of every relocated
-request. Kept in one Python object per request, that is a loop over the
-batch on the host at every step, and the step's page tables are copied out of
-those objects. Here a request is a row of arrays shared by the whole batch:
-``arrange`` puts the step's rows first, in the step's order, ``append`` gives
-them all room for their new tokens with a few numpy operations, and each
-layer's attention call reads its page table as a view of those first rows.
-A copy of the tables elsewhere (the GPU's) follows by the changes listed since
-it last synced (``take_changes``): whole rows that moved or were rewritten and
-single entries the appends wrote, not the tables themselves.
+A decode step appends a token to every (layer, KV head) of every relocated request. Kept in one Python object per
+request, that is a loop over the batch on the host at every step, and the step's page tables are copied out of those
+objects. Here a request is a row of arrays shared by the whole batch: ``arrange`` puts the step's rows first, in the
+step's order, ``append`` gives them all room for their new tokens with a few numpy operations, and each layer's
+attention call reads its page table as a view of those first rows. A copy of the tables elsewhere (the GPU's) follows
+by the changes listed since it last synced (``take_changes``): whole rows that moved or were rewritten and single
+entries the appends wrote, not the tables themselves.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Page tables of one request: which pages each (layer, kv head) reads, and how long it is.
 
-vLLM gives a request whole blocks; one block id covers every layer and every
-KV head. Viewing a layer's cache as one-head pages, block ``b`` holds pages
-``b*H .. b*H+H-1`` and any of them may serve any head of that request. A
-relocated request packs each layer's kept tokens densely, head after head,
-into the pages of its first writable blocks, so the others are the ones a
-compressing policy can hand back. With ``layer_base`` (vLLM's whole KV buffer
-as one page space, the CPU layout) the pages of every layer of a block form
-one pool: after the step's last layer, ``pack`` moves pages out of the blocks
-past the fewest that hold them all, so a layer that keeps more than the
-others borrows their pages instead of setting the block count of all. With
-prefix caching, the blocks other requests read are never written, and those
-still in the prefix cache are written last, from the end of the prompt
-(``write_order``), so a shared prefix keeps as many cached blocks as it can.
+vLLM gives a request whole blocks; one block id covers every layer and every KV head. Viewing a layer's cache as
+one-head pages, block ``b`` holds pages ``b*H .. b*H+H-1`` and any of them may serve any head of that request. A
+relocated request packs each layer's kept tokens densely, head after head, into the pages of its first writable blocks,
+so the others are the ones a compressing policy can hand back. With ``layer_base`` (vLLM's whole KV buffer as one page
+space, the CPU layout) the pages of every layer of a block form one pool: after the step's last layer, ``pack`` moves
+pages out of the blocks past the fewest that hold them all, so a layer that keeps more than the others borrows their
+pages instead of setting the block count of all. With prefix caching the blocks others read are never written, and
+those still cached are written last (``write_order``), so a shared prefix keeps as many cached blocks as it can.
 """
 
 from __future__ import annotations
@@ -325,15 +320,12 @@ class RequestPages:
     def blocks_to_keep(self, length: int | None = None) -> set[int]:
         """Block-table positions to hold after relocation: the fullest pool's pages and its spare ones.
 
-        Pages are packed in ``order`` (after ``pack`` when layers share a
-        pool), so a pool that needs ``p`` pages needs the first ``ceil(p / P)``
-        blocks of it, ``P`` its pages per block (H, or every layer's H). vLLM
-        appends a block each time the request's ``length`` reaches a multiple
-        of ``block_size``, but heads reach a page boundary at their own steps:
-        until the next append, every head that fills its last page first takes
-        a spare one. Each head fills at most one page per block appended, so
-        those spares cover the request from then on. While a prompt is still
-        read a chunk at a time (``length`` None), one whole block is spare.
+        Pages are packed in ``order`` (after ``pack`` when layers share a pool), so a pool that needs ``p`` pages needs
+        the first ``ceil(p / P)`` blocks of it, ``P`` its pages per block (H, or every layer's H). vLLM appends a block
+        each time the request's ``length`` reaches a multiple of ``block_size``, but heads reach a page boundary at
+        their own steps: until the next append, every head that fills its last page first takes a spare one. Each head
+        fills at most one page per block appended, so those spares cover the request from then on. While a prompt is
+        still read a chunk at a time (``length`` None), one whole block is spare.
         """
         counts = self._page_counts().astype(np.int64)
         if length is None:

@@ -1,19 +1,13 @@
 """Pages of a request whose layers keep different amounts (PoD), laid out over every layer's pages at once.
 
-A vLLM block spans every layer, so a layer that keeps less frees nothing
-unless its pages can serve other layers: page ids are global over vLLM's one
-KV buffer (``BlockPages``), and any page of a block the request keeps may
-hold any (layer, head).
-
-Each (layer, head) has a *main* sequence of K/V tokens: every token in a
-layer that keeps distant keys, the proximal ones (sinks, recent window,
-generated tokens) elsewhere. A layer that shares the distant tokens' scores
-keeps their values only, two per slot: distant value ``2j`` in slot ``j``'s
-K half, ``2j + 1`` in its V half (``ValuePairs``).
-
-A decode step reads these pages through index tables (``DecodeTables``), one
-row per (request, head) and one plane per layer, which every request keeps
-up to date as it grows, so a step stacks them instead of rebuilding them.
+A vLLM block spans every layer, so a layer that keeps less frees nothing unless its pages can serve other layers: page
+ids are global over vLLM's one KV buffer (``BlockPages``), and any page of a block the request keeps may hold any
+(layer, head). Each (layer, head) has a *main* sequence of K/V tokens: every token in a layer that keeps distant keys,
+the proximal ones (sinks, recent window, generated tokens) elsewhere. A layer that shares the distant tokens' scores
+keeps their values only, two per slot: distant value ``2j`` in slot ``j``'s K half, ``2j + 1`` in its V half
+(``ValuePairs``). A decode step reads these pages through index tables (``DecodeTables``), one row per (request, head)
+and one plane per layer, which every request keeps up to date as it grows, so a step stacks them instead of rebuilding
+them.
 """
 
 from __future__ import annotations

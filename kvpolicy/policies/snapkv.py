@@ -1,14 +1,13 @@
 """SnapKV's scorer, Ada-KV's and PyramidKV's allocators, and the Ada-KV paper's four policies made of them.
 
-The last ``window`` prompt queries score the prefix (softmax summed over the window, max-pooled); a head keeps
-the window and its best prefix tokens, as many as its allocator gives: the same count for every head (SnapKV),
-a layer-wide top-k with a safeguard (Ada-KV), or a capacity falling with depth (PyramidKV). Our readings where
-the paper leaves the formula out: docs/policies.md.
+The last ``window`` prompt queries score the prefix; a head keeps the window and its best prefix tokens, as many as its
+allocator gives: the same count for every head (SnapKV), a layer-wide top-k with a safeguard (Ada-KV), or a capacity
+falling with depth (PyramidKV). Our readings where the paper leaves the formula out: docs/policies.md.
 
 Papers: *Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference*,
-arXiv:2407.11550; *SnapKV: LLM Knows What You are Looking for Before Generation*, arXiv:2404.14469; *PyramidKV:
-Dynamic KV Cache Compression based on Pyramidal Information Funneling*, arXiv:2406.02069. Parameters: ``window``
-(32), ``pool_kernel`` (7), ``pool_shift`` (0), ``group_scores`` (mean), ``alpha`` (0.5), ``beta`` (20).
+arXiv:2407.11550; *SnapKV: LLM Knows What You are Looking for Before Generation*, arXiv:2404.14469; *PyramidKV: Dynamic
+KV Cache Compression based on Pyramidal Information Funneling*, arXiv:2406.02069. Parameters: ``window`` (32),
+``pool_kernel`` (7), ``pool_shift`` (0), ``group_scores`` (mean), ``alpha`` (0.5), ``beta`` (20).
 """
 
 from __future__ import annotations
