@@ -1,35 +1,12 @@
 """The KV connector: kvpolicy's channel between workers and the scheduler.
 
-It loads and saves nothing (no KV delivery); vLLM's own scheduler stays in
-charge. Workers hand the scheduler the blocks compressed requests no longer
-need, and report their counters and memory snapshot as connector stats
-(``metrics.py``).
-
-With prefix caching, the scheduler tells the workers, each step, which blocks
-of a prompt being read other requests also read (never written) and which are
-in the prefix cache (written last). PoD lays short prompts out once they
-decode past the recent window, and an offload may come at the end of a
-recompute past the prompt (after a preemption): for them, of every request
-not moved yet. The blocks a relocated request keeps leave the prefix cache
-and it caches no more: they hold its pages, not the tokens their hashes name.
-Under vLLM's synchronous scheduler that happens when the step's report comes,
-before the next step is scheduled, for exactly the blocks it kept; under its
-asynchronous one, when the step is scheduled, for every block the step may
-rewrite (``rewrite_bounds.py``). The blocks it hands back keep their tokens, and
-their hashes, for the next prompt.
-
-vLLM's asynchronous scheduler schedules step N+1 before it reads step N's
-report, so N+1 may have appended blocks the report never saw: a release frees
-only positions the step had (``BlockReleases.seen``). The blocks it frees were
-still in N+1's block table, which the relocated rows do not read, and vLLM
-hands them out again from step N+2 on, which runs after N+1.
-
-Admission knows compressed requests grow: vLLM appends a block to every
-running request each ``block_size`` tokens it generates, relocated or not,
-so a new request is admitted only if the most blocks relocated requests
-will take at once, up to their ``max_tokens``, stay free besides
-(``blocks_to_reserve``; ``--kv-reserve-growth``, on by default). Requests
-that are not relocated keep vLLM's stock admission.
+It loads and saves nothing; vLLM's scheduler stays in charge. Workers hand the scheduler the blocks compressed
+requests no longer need, with their counters and memory snapshot as connector stats (``metrics.py``). The
+scheduler tells workers which prompt blocks others read or the prefix cache holds, takes the blocks a relocated
+request keeps out of the prefix cache (when the step's report comes, or when the step is scheduled under vLLM's
+asynchronous scheduler: ``rewrite_bounds.py``), frees only the positions a step had (``BlockReleases.seen``), and
+admits a request only if the blocks compressed ones will grow into stay free (``reservations.py``). Why each:
+docs/architecture.md, "The connector" and "Asynchronous scheduling".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """vLLM's offloading connector beside kvpolicy: a second tier for prefix-cache blocks.
 
-vLLM's ``OffloadingConnector`` copies a request's full blocks, keyed by their
-token hashes, into host memory at the start of the step after they were
-computed, and loads them back for a later prompt with the same prefix. Its
-offloading spec decides where the copies go (``spec_name``,
-``spec_module_path`` in ``kv_connector_extra_config``); kvpolicy names this
-one in place of vLLM's ``CPUOffloadingSpec``, for two reasons:
-
-* Blocks kvpolicy rewrote must not be stored under their hashes. A request
-  relocated (or evicted from, or offloaded) in step N holds pages in its
-  kept blocks from the end of N's forward, and the copies of the blocks N
-  computed run at the start of N+1. The manager (``StoresBeforeRelocation``)
-  marks such a store failed when it completes, which vLLM's manager takes as
-  "free these chunks" (``complete_store(success=False)``), and stores nothing
-  more of the request: a later prompt loads only blocks copied while they
-  held their tokens, and computes the rest.
-* vLLM's CPU platform has no worker for it (its ``CPUOffloadingSpec`` runs
-  on CUDA and XPU only). There the KV cache already is host memory, and
-  ``HostCopyWorker`` copies blocks to and from a second host buffer of
-  ``cpu_bytes_to_use``: a tier for prefix blocks the KV pool evicted, or,
-  beside kvpolicy, that its packing took out of the prefix cache. On CUDA
-  and XPU vLLM's own worker copies.
-
-The manager (which chunks hold which hashes, and LRU eviction) is vLLM's.
+vLLM's ``OffloadingConnector`` copies a request's full blocks, by their token hashes, to host memory at the start
+of the next step and loads them back for a later prompt with the same prefix; kvpolicy names its own offloading
+spec in place of ``CPUOffloadingSpec`` so that a block kvpolicy rewrote is never stored under its hashes
+(``StoresBeforeRelocation`` fails such a store and stores nothing more of the request), and so that vLLM's CPU
+platform, which has no offloading worker, gets one (``HostCopyWorker``: a second host buffer). The manager's
+chunks and LRU eviction stay vLLM's. Details: docs/architecture.md#beside-other-kv-connectors.
 """
 
 from __future__ import annotations

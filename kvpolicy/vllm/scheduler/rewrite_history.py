@@ -1,17 +1,10 @@
 """When each request's blocks stopped holding their tokens, as the scheduler learns it.
 
-kvpolicy's connector counts the scheduler's steps (one per metadata it builds)
-and, from each step's report, records the step a request was first relocated,
-evicted from or offloaded in: from then on its kept blocks hold pages, not
-the tokens their hashes name. A KV connector that copies blocks by their
-hashes (vLLM's offloading connector, ``prefix_offload.py``) reads this to
-keep what it copied after that point out of its store. Only kept while such a
-reader is installed (``watch``), and forgotten when the reader is done with a
-request.
-
-The step a report names is the step it came from only when vLLM reads a
-step's report before it schedules the next (its synchronous scheduler, one
-stage): ``args.py`` keeps it so wherever a reader runs.
+The connector counts the scheduler's steps and, from each report, records the step a request was first
+relocated, evicted from or offloaded in: from then on its kept blocks hold pages, not the tokens their hashes
+name, and a connector that copies blocks by hash (``prefix_offload.py``) keeps what it copied after that out of
+its store. Kept only while such a reader is installed (``watch``); exact only under vLLM's synchronous
+scheduler, which ``startup/args.py`` keeps wherever a reader runs.
 """
 
 from __future__ import annotations

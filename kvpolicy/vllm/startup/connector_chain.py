@@ -1,30 +1,11 @@
 """kvpolicy's connector beside the KV connectors a deployment already names.
 
-vLLM has one KV-connector slot (``--kv-transfer-config``) and kvpolicy's
-channel between scheduler and workers (connector.py) takes it. Another
-connector joins through vLLM's ``MultiConnector``, kvpolicy's first: each
-child gets its own metadata, reports and stats, and only a child that finds
-external tokens loads them (kvpolicy never does). ``--kv-offloading-size``,
-which vLLM turns into a connector of its own, joins the same way.
-
-What such a connector may do beside a policy that rewrites blocks is narrow.
-kvpolicy packs a completed prompt's kept pages into the request's own blocks
-after the step's last layer and hands the rest back; from then on the
-request's blocks hold pages, not the tokens their hashes name, and what it
-computes next was computed over a compressed context (kvpolicy's own prefix
-cache drops them: ``stop_caching``). Every connector in vLLM 0.32 that saves
-KV copies blocks by their token hashes after that point: the offloading
-connector defers a step's stores to the start of the next step
-(``OffloadingConnectorWorker.prepare_store_kv``), LMCache saves at the end of
-the forward (``wait_for_save``) or layer by layer, the example connector in
-``save_kv_layer``, NIXL and Mooncake send a finished prefill's blocks to a
-decode instance. vLLM's offloading connector lets its offloading spec manage
-what it stores: kvpolicy names its own (``prefix_offload.py``), which keeps
-what was copied after a relocation out of the store and copies on vLLM's
-CPU platform too. Each other one would serve pages as tokens to a later
-request or another instance: refused, each with its reason. Policies that
-leave blocks as vLLM wrote them (``omnikv`` without ``--kv-offload``) run
-beside any of them.
+vLLM has one KV-connector slot, which kvpolicy's channel takes; another connector (``--kv-offloading-size``
+included) joins through vLLM's ``MultiConnector``, kvpolicy's first, each child with its own metadata, reports
+and stats. Beside a policy that rewrites blocks, every vLLM 0.32 connector that saves KV would copy pages under
+the hashes of the tokens they replaced, so each is refused with its reason except vLLM's offloading connector,
+which gets kvpolicy's own spec (``scheduler/prefix_offload.py``); policies that leave blocks as vLLM wrote them
+run beside any. Which connector saves when, and why: docs/architecture.md#beside-other-kv-connectors.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """What kvpolicy can serve under vLLM's pipeline parallelism, judged before the model loads.
 
-A pipeline stage holds only its own layers' KV cache, and each worker
-compresses what it holds: a policy whose choice in one layer depends on
-nothing outside that layer (SnapKV, Ada-KV, KeyDiff, H2O, ...) runs stage by
-stage as on one engine. Policies that carry something from one layer to the
-next, or size a layer by its depth in the whole model, would need it to cross
-stages with the hidden states, which vLLM sends alone: refused.
-
-vLLM keeps one batch in flight per stage (``EngineCore.step_with_batch_queue``)
-and schedules the next before it reads a step's report, as its asynchronous
-scheduler does: with prefix caching, a request admitted then may hit blocks
-that step relocated into, whose hashes leave the cache only with the report
-(connector.py). Prefix caching is therefore off under pipeline parallelism
-unless asked for, and refused when asked for.
+A stage holds only its own layers' cache and each worker compresses what it holds, so a policy whose choice in a
+layer depends on nothing outside it runs stage by stage; one that carries something between layers or sizes a
+layer by its depth in the whole model is refused (the hidden states cross stages alone). vLLM schedules a
+stage's next batch before it reads a step's report, so prefix caching is off unless asked for, and refused when
+asked for. Details and measurements: docs/architecture.md#pipeline-parallelism.
 """
 
 from __future__ import annotations
