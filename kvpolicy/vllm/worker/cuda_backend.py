@@ -1,16 +1,11 @@
 """The CUDA backend: vLLM's Triton attention plus kvpolicy's step, registered over ``TRITON_ATTN``.
 
-Sibling of ``cpu_backend.py``: stock rows and steps with no kvpolicy work run
-vLLM's own Triton attention (``super()``); per-head and selection rows run
-kvpolicy's Triton kernels through the builder's ``TritonOps``. For a policy
-whose decode has no host work after attention (the SnapKV family, streaming,
-identity), decode batches run in fixed shapes over persistent buffers
-(``modes/fixed_decode.py``) and the builder reports CUDA-graph support for
-them, so vLLM replays full graphs for decode and piecewise ones otherwise.
-For the others (eviction in decode, OmniKV, PoD, offload) it reports none:
-vLLM keeps piecewise CUDA graphs for the rest of the model and runs attention
-eagerly between them (it logs that choice); ``--enforce-eager`` is never
-needed. With ``--kv-policy none`` the backend is vLLM's, graphs included.
+Sibling of ``cpu_backend.py``: stock rows and steps with no kvpolicy work run vLLM's own Triton attention
+(``super()``); per-head and selection rows run kvpolicy's Triton kernels through the builder's ``TritonOps``.
+For a policy whose decode has no host work after attention (the SnapKV family, streaming, identity) the builder
+reports full CUDA-graph support and decode runs in fixed shapes (``modes/fixed_decode.py``); for the others it
+reports none, and vLLM keeps piecewise graphs around eager attention (``--enforce-eager`` is never needed).
+With ``--kv-policy none`` the backend is vLLM's, graphs included.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What a GPU run can ask a worker to record, through the environment; nothing is recorded by default.
 
-``KVPOLICY_DIAGNOSE=DIR`` (the prepared GPU script sets it for one row):
-
-- **Host synchronisations.** Every call of kvpolicy's step building and of its attention layers runs
-  under ``torch.cuda.set_sync_debug_mode("warn")``, and the warnings it raises (each a host wait on the
-  device: a read back, a blocking copy) are counted by where they come from, into
-  ``DIR/syncs-<rank>.json`` every ``WRITE_EVERY`` steps. vLLM's own per-step work (its sampler's copy
-  of the tokens) is outside those calls.
-- **A profile of decode.** After ``SKIP_STEPS`` pure-decode steps (warm-up and the first waves), the next
-  ``PROFILE_STEPS`` run under ``torch.profiler``; ``DIR/profile-<rank>.json`` then holds a summary, not a
-  trace: per step the wall time, the time the GPU was busy (the union of its kernels and copies), the
-  kernels launched and the host's share, and the kernels that took most of the time.
+``KVPOLICY_DIAGNOSE=DIR`` records the host synchronisations inside kvpolicy's step building and attention
+calls (``torch.cuda.set_sync_debug_mode("warn")``, counted by where they come from, into
+``DIR/syncs-<rank>.json`` every ``WRITE_EVERY`` steps), and, after ``SKIP_STEPS`` pure-decode steps, profiles
+the next ``PROFILE_STEPS`` into a summary per step (``DIR/profile-<rank>.json``: wall and GPU-busy time, kernels
+launched, the host's share, the longest kernels). What each file holds: docs/operations.md#diagnostics-on-a-gpu.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The worker hook: makes the worker's kvpolicy state and hands it out, and drops finished requests.
 
-One mixin over the platform's worker: ``KVPolicyCPUWorker`` (vLLM's CPU
-worker) and ``KVPolicyGPUWorker`` (its GPU worker), each made on first
-access so that a platform never imports the other's worker module.
-
-The worker owns its ``WorkerState`` and the mode over it. Once vLLM has
-made the KV cache, the attention metadata builders and the KV connector
-(``initialize_from_config``), the hook binds the state to kvpolicy's builders
-(which build each step with the mode and attach the mode's path to it, so
-every attention layer gets it with the step) and to kvpolicy's connector
-(which reads the step's releases and counters).
+One mixin over the platform's worker (``KVPolicyCPUWorker``, ``KVPolicyGPUWorker``, each made on first access so
+that a platform never imports the other's worker module). The worker owns its ``WorkerState`` and the mode over
+it; once vLLM has made the KV cache, the metadata builders and the KV connector (``initialize_from_config``), the
+hook binds the state to kvpolicy's builders (which build each step with the mode and attach the mode's path) and
+to kvpolicy's connector (which reads the step's releases and counters).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Decode steps in fixed shapes, for vLLM's full CUDA graphs.
 
-vLLM replays a full CUDA graph for a batch whose every row brings one token,
-picked by the batch's padded size alone before any metadata exists; the
-replay launches what the capture launched, with the same arguments. So such
-a step runs every row, relocated or not, as ``H`` one-head sequences (a row
-still in vLLM's layout as its head ``h`` over pages ``block*H + h``), through
-one write and one attention call per layer whose index tensors are views of
-persistent buffers at fixed offsets, and whose grid is sized for the longest
-sequence the model allows (``max_model_len``), not this step's. The builder
-writes each step into those buffers before the model runs (the step's one
-staged copy, then a few device copies); padded rows are length 0 with no
-slot. Only a policy whose decode has no host work after attention qualifies
-(``refusal``), and a step that relocates a prompt or stashes window
-queries never comes here: vLLM is told not to replay a full graph for a step
-with prompt rows (``patches.forbid_full_graphs_while``).
+vLLM replays a full graph for a batch whose every row brings one token, picked by the padded batch size before
+any metadata exists, with the captured arguments. So such a step runs every row, relocated or not, as ``H``
+one-head sequences (a row still in vLLM's layout as head ``h`` over pages ``block*H + h``), through one write and
+one attention call per layer over persistent buffers at fixed offsets, its grid sized for ``max_model_len``; the
+builder writes each step into the buffers before the model runs, padded rows length 0. Only a policy with no host
+work after attention in decode qualifies (``refusal``), and no step with prompt rows is replayed
+(``patches.forbid_full_graphs_while``). How it fits the CUDA step: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""Select (OmniKV): decode rows attend to the pages filter layers select, and with ``--kv-offload`` a
-request's sparse layers live in a host pool.
+"""Select (OmniKV): decode rows attend to the pages filter layers select; with ``--kv-offload``, sparse layers
+live in a host pool.
 
-``Select`` follows each offloaded request (``OffloadedRequest``: where each layer and head of it lives)
-and builds each step from vLLM's batch: decode rows over their budget select their context, prompts
-over budget that complete move their sparse layers to the host pool. ``SelectionPath`` runs the step in
-every layer: full-attention layers attend as stock (or, for offloaded rows, per head over their resident
-pages); a filter layer scores each decode row's context with its last token and builds the sparse call;
-sparse layers attend to the selection (offloaded rows: the selected pages loaded from the host pool into
-staging pages first). All tensor work on the cache goes through ``KVOps``; whole-page copies to and from
-the host tier are ``PageCopies``.
+``Select`` follows each offloaded request (``OffloadedRequest``) and builds each step: decode rows over their
+budget select their context, completing prompts over budget move their sparse layers to the host pool.
+``SelectionPath`` runs it in every layer: full-attention layers as stock (offloaded rows per head over their
+resident pages), a filter layer scores each decode row's context with its last token, sparse layers attend to
+the selection (offloaded rows after loading it from the host pool into staging pages, ``PageCopies``). All
+tensor work on the cache goes through ``KVOps``.
 """
 
 from __future__ import annotations

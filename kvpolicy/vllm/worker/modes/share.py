@@ -1,14 +1,11 @@
 """Share (PoD): decode rows attend per KV head with the distant tokens' logits of a lower layer.
 
-A PoD request is read with full attention (stock). ``Share`` follows each request (``SharedRequest``)
-and builds each step from vLLM's batch: after the last layer of the step that completes a request, its
-tokens move into ``SharedPages`` over the whole KV buffer: every token in each block's lowest layer, the
-proximal ones elsewhere, with the distant values packed two per slot; the connector then hands back the
-blocks the layout no longer uses. In decode, ``SharingPath`` has each layer write the new K/V into the
-request's main sequences and make one ``KVOps.pod_attention`` call for every decode row and KV head
-(eq. 3-4): a block's lowest layer over everything, storing its distant logits in the step's buffer for
-the layers above it; those layers over their own proximal keys plus the shared logits and their own
-distant values. All cache reads and writes go through ``KVOps``.
+A PoD request is read with full attention (stock). ``Share`` follows each request (``SharedRequest``): after the
+step that completes it, its tokens move into ``SharedPages`` over the whole KV buffer (everything in each block's
+lowest layer, the proximal tokens elsewhere, distant values two per slot) and the connector hands back the blocks
+the layout frees. In decode ``SharingPath`` has each layer write its new K/V and make one ``KVOps.pod_attention``
+call for every decode row and KV head (eq. 3-4): a block's lowest layer stores its distant logits for the layers
+above, which attend over their proximal keys plus those logits and their own distant values.
 """
 
 from __future__ import annotations

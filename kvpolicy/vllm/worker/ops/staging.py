@@ -1,15 +1,11 @@
 """A step's index tensors on the device in one host-to-device copy.
 
-The step builder makes its index tensors on the host: page tables, lengths,
-slots, virtual-token maps. Sent one by one, as each layer's call asks for
-them, a step of a 32-layer model makes hundreds of small copies, and a GPU
-step waits behind each. ``StagedStep`` packs the bytes of every tensor of a
-step into one (pinned) host buffer, copies it once, and answers each later
-request for one of those tensors on the device with a view of that copy.
-Tensors made after the step was built (a relocation's moves) are copied on
-their own. The page tables of relocated requests are not sent whole: the
-device keeps its own copy (``TableMirror``), and the step's copy carries only
-what changed in them since the last step.
+The step builder makes its index tensors (page tables, lengths, slots, virtual-token maps) on the host; sent one
+by one, a step of a 32-layer model makes hundreds of small copies, and a GPU step waits behind each.
+``StagedStep`` packs every tensor of a step into one pinned host buffer, copies it once and answers each later
+request for one of them with a view of that copy; tensors made after the step was built (a relocation's moves)
+go on their own. Relocated requests' page tables are not sent whole: the device keeps its own (``TableMirror``)
+and the step carries only what changed since the last one.
 """
 
 from __future__ import annotations
