@@ -76,14 +76,11 @@ def release_blocks_except(kv_cache_manager, req_id: str, keep: set[int], seen: i
     """Free a request's blocks at every block-table position below ``seen`` not in ``keep``.
 
     What sliding-window attention does with blocks it no longer reads
-    (``SingleTypeKVCacheManager._remove_blocks_in_range``, v1/core/
-    single_type_kv_cache_manager.py): the freed entries become the null block,
-    so the list keeps its length and vLLM keeps appending one block per
-    ``block_size`` logical tokens. A freed block that is in the prefix cache
-    stays there (it still holds its tokens). A request that already finished
-    is skipped. ``seen``: the positions the worker's step had; vLLM's
-    asynchronous scheduler appends the next step's blocks before it reads the
-    step's report (``EngineCore.step_with_batch_queue``), and those are in use.
+    (``SingleTypeKVCacheManager._remove_blocks_in_range``, v1/core/ single_type_kv_cache_manager.py): the freed entries
+    become the null block, so the list keeps its length and vLLM keeps appending one block per ``block_size`` logical
+    tokens. A freed block that is in the prefix cache stays there (it still holds its tokens). A request that already
+    finished is skipped. ``seen``: the positions the worker's step had; vLLM's asynchronous scheduler appends the next
+    step's blocks before it reads the step's report (``EngineCore.step_with_batch_queue``), and those are in use.
     """
     for manager in kv_cache_manager.coordinator.single_type_managers:
         blocks = manager.req_to_blocks.get(req_id)

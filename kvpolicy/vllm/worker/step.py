@@ -107,15 +107,13 @@ class HeadRows:
 class PerHeadBatch:
     """The relocated requests of a step as ``H`` virtual one-head sequences each.
 
-    Virtual tokens (``rows``) are ordered by (request, head, position), so each
-    virtual sequence's queries are contiguous. ``layers[l]`` is layer ``l``'s
-    attention call; ``slots[l]`` where its new K/V go (one-head page slots, in
-    virtual-token order). ``req_ids``: the relocated requests, in order. Each layer's
-    ``seq_lens`` is row ``l`` of ``seq_lens`` [layers, sequences], and its ``block_table``
-    row ``l`` of ``tables``, a view of ``store``'s tables (its first rows, in this order),
-    which the ops keep on the device by their changes (``ops/staging.TableMirror``).
-    ``carried_slots``: for policies that accumulate attention, each request's row of the
-    carried scores (``modes/carried.CarriedScores``), in order.
+    Virtual tokens (``rows``) are ordered by (request, head, position), so each virtual sequence's queries are
+    contiguous. ``layers[l]`` is layer ``l``'s attention call; ``slots[l]`` where its new K/V go (one-head page slots,
+    in virtual-token order). ``req_ids``: the relocated requests, in order. Each layer's ``seq_lens`` is row ``l`` of
+    ``seq_lens`` [layers, sequences], and its ``block_table`` row ``l`` of ``tables``, a view of ``store``'s tables
+    (its first rows, in this order), which the ops keep on the device by their changes (``ops/staging.TableMirror``).
+    ``carried_slots``: for policies that accumulate attention, each request's row of the carried scores
+    (``modes/carried.CarriedScores``), in order.
     """
 
     token_idx: torch.Tensor
@@ -189,17 +187,13 @@ class WindowStash:
 class ContextSelection:
     """OmniKV's decode rows of a step: filter layers select their pages, the layers after them attend to those.
 
-    ``token_idx``: the rows' query tokens (one each); ``lengths``: their context
-    lengths (int64); ``table``: the vLLM blocks that hold it, [rows, pages] (the
-    choice gathers from it where the scores are); ``page_ids``: those blocks as one-head pages,
-    [rows, kv_heads, pages], what the filter layers score; ``choice``: how many
-    pages each row keeps (its budget), ``kept`` and ``last`` its mask of kept
-    entries and each row's current page as tensors (staged with the step),
-    ``seq_lens`` the tokens they hold (int32).
-    All made once per step, for every filter layer. ``selected`` fills as the step
-    runs: filter layer -> the sparse layers' one call (the step's stock rows over
-    all their pages, then these over their selected ones). ``plan``: the ops'
-    planner for that call.
+    ``token_idx``: the rows' query tokens (one each); ``lengths``: their context lengths (int64); ``table``: the vLLM
+    blocks that hold it, [rows, pages] (the choice gathers from it where the scores are); ``page_ids``: those blocks as
+    one-head pages, [rows, kv_heads, pages], what the filter layers score; ``choice``: how many pages each row keeps
+    (its budget), ``kept`` and ``last`` its mask of kept entries and each row's current page as tensors (staged with
+    the step), ``seq_lens`` the tokens they hold (int32). All made once per step, for every filter layer. ``selected``
+    fills as the step runs: filter layer -> the sparse layers' one call (the step's stock rows over all their pages,
+    then these over their selected ones). ``plan``: the ops' planner for that call.
     """
 
     token_idx: torch.Tensor

@@ -1,22 +1,12 @@
 """The per-head path: requests a policy relocated attend as ``H`` one-head virtual sequences.
 
-Each relocated request's KV head has its own pages and length per layer
-(block ``b``, head ``h`` is page ``b*H + h`` of the layer's cache, or with
-one pool for every layer, of vLLM's whole KV buffer:
-``Relocate.relocated_cache``); every other row of the batch takes the
-platform's stock path. After attention, this layer relocates the prompts
-that completed (keeping what the policy keeps), runs eviction passes and
-adds new tokens' attention for policies that accumulate it. All tensor
-work on the cache goes through ``KVOps``. Policies score where the cache is
-(``policies/`` is device-agnostic torch): the K/V they read, the window
-queries stashed for them, the scores they carry and each new token's
-weights stay on the cache's device. Slots go the other way: each read
-takes its tokens' slots from the page table (host) to the device once, and
-relocation picks its move sources out of them there. Only what the page
-table needs comes back: each head's kept count (the length of its kept
-tensor; Ada-KV's per-head counts and D2O's layer budgets are the policies'
-one read-back each). Positions stay logical (vLLM computes them from its own token counts, which
-relocation never touches).
+Each relocated request's KV head has its own pages and length per layer (block ``b``, head ``h`` is page ``b*H + h`` of
+the layer's cache or, with one pool for every layer, of vLLM's whole KV buffer: ``Relocate.relocated_cache``); every
+other row of the batch takes the platform's stock path. After attention, this layer relocates the prompts that
+completed, runs eviction passes and adds new tokens' attention for policies that accumulate it, all through ``KVOps``.
+Policies score where the cache is, slots go to the device once per read, and only each head's kept count comes back for
+the page table (Ada-KV's counts and D2O's budgets are one read-back each); positions stay logical, as vLLM computes
+them.
 """
 
 from __future__ import annotations
