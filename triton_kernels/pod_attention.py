@@ -1,20 +1,13 @@
 """PoD's decode attention (eq. 3-4): one new token per sequence over its own pages, plus shared distant logits.
 
-A sequence is one KV head of one decode row in one layer. It always attends
-with its G query heads over its own keys and values (``page_table``,
-``seq_lens``). A sequence that keeps every key (the lowest layer of its
-block) also stores the logits of its distant keys, positions ``[start,
-start + count)``, in row ``write_to`` of ``distant_logits`` for the layers
-above it. A sequence that shares (``read_from >= 0``) attends to its
-``count`` distant tokens with the logits of row ``read_from`` and its own
-values, packed two per slot on ``value_table``'s pages (value ``2j`` in slot
-``j``'s K half, ``2j + 1`` in its V half): one softmax over both groups,
-which is eq. 4's gate. A query head whose proximal share of that softmax is
-at least ``tau`` skips the distant part (§2.3).
-
-One program per sequence: the own keys ``BLOCK_N`` at a time with an online
-softmax, then the distant logits twice (their maximum and sum for the gate,
-then the weighted values), so a decode reads each key and value once.
+A sequence is one KV head of one decode row in one layer, attending with its G query heads over its own keys and values
+(``page_table``, ``seq_lens``). One that keeps every key (a block's lowest layer) also stores its distant keys' logits,
+positions ``[start, start + count)``, in row ``write_to`` of ``distant_logits``; one that shares (``read_from >= 0``)
+attends to its ``count`` distant tokens with row ``read_from``'s logits and its own values, two per slot on
+``value_table``'s pages, in one softmax over both groups (eq. 4's gate); a query head whose proximal share reaches
+``tau`` skips the distant part (§2.3). One program per sequence: its own keys ``BLOCK_N`` at a time with an online
+softmax, then the distant logits twice (maximum and sum, then the weighted values), so a decode reads each key and
+value once.
 """
 
 from __future__ import annotations

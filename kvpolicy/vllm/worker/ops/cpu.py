@@ -1,14 +1,11 @@
 """``KVOps`` on vLLM's CPU kernels (attention, cache writer) and kvpolicy's C++ ops (``csrc/``).
 
-Inside a page the CPU writer packs tokens for its ISA; ``page_layout``
-discovers where from the writer itself. On the ``vec`` ISAs that packing is
-affine (K transposed), and the C++ ops read and move tokens in place through
-its ``PageGeometry``: token moves, new-token weights (H2O/D2O), OmniKV's
-context attention, PoD's shared attention, and the prompt's attention column
-sums. An ISA that packs otherwise (logged once) moves tokens through the
-discovered offsets, and its attention ops run the same C++ ops on a copy of the
-pages a call reads, laid out affinely (``affine_pages``): each op's math has
-one implementation on this platform, whatever the ISA.
+Inside a page the CPU writer packs tokens for its ISA; ``page_layout`` discovers where from the writer itself. On the
+``vec`` ISAs that packing is affine (K transposed), and the C++ ops read and move tokens in place through its
+``PageGeometry``: token moves, new-token weights (H2O/D2O), OmniKV's context attention, PoD's shared attention, and the
+prompt's attention column sums. An ISA that packs otherwise (logged once) moves tokens through the discovered offsets,
+and its attention ops run the same C++ ops on an affine copy of the pages a call reads (``affine_pages``): each op's
+math has one implementation on this platform, whatever the ISA.
 """
 
 from __future__ import annotations
