@@ -3,19 +3,11 @@
     python benchmarks/cuda_engine.py run --out gpu.json          # on a CUDA machine (1.5 minutes on an H200)
     python benchmarks/cuda_engine.py run --out cpu.json          # the same configs on this CPU machine
     python benchmarks/cuda_engine.py compare gpu.json cpu.json   # writes results/cuda_engine.json and .md
+    python benchmarks/cuda_engine.py run --only pod --out pod.json   # some configs only, no server check
 
-Each config is one ``tests/e2e/engine_run.py`` engine (its mixed batch: six
-prompts of 40-1,100 tokens read in 256-token chunks beside decoding rows, 24
-greedy tokens with 5 logprobs each) on a random-weight Llama made by
-``kvpolicy.offline.model.prepare_tiny``: 3 layers, 4 query heads over 2 KV heads,
-head size 64 as in the default model, fp32. The weights come from a fixed
-seed, so both machines build the same ones (their hash is recorded and
-compared). 32-token blocks, the size both platforms accept, and a 256 MiB
-pool, so block counts match. `pod` runs with a grouping of this model's
-layers (``POD_GROUPS``, written beside the runs); `omnikv --kv-offload` with
-its sparse layers in a 1 GiB host pool. On CUDA the runs also run `adasnap`
-once with vLLM's CUDA graphs, and serve `adasnap` through vLLM's OpenAI
-server, asked with the OpenAI client, its counters read from ``/metrics``.
+Each config is one ``tests/e2e/engine_run.py`` engine on a random-weight Llama built from a fixed seed on both
+machines, so the two platforms' counters, tokens and logprobs can be compared. Method and columns:
+docs/benchmarks.md#cuda-engine-runs.
 """
 
 from __future__ import annotations

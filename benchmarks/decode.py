@@ -5,42 +5,9 @@
     python benchmarks/decode.py           # contexts 2K, 4K and 7.6K, budgets 512 and 1024
     python benchmarks/decode.py --quick --filter-layers 2 --out benchmarks/results/decode_one_filter.json
 
-Two engines, one after the other, each in its own process and stepped by
-hand there. The first (``--kv-policy omnikv``, prefix caching on): for each
-context length, four passkey prompts (key at 20%, 40%, 60%, 80% depth) are
-read once; every configuration then decodes them again from the prefix
-cache, so the prompts are read once per context, not once per
-configuration. The full-cache rows are that engine with a per-request
-``kv_budget`` at least the context, which takes vLLM's stock attention path
-exactly (``tests/e2e/test_omnikv.py`` checks it bit for bit). The second adds
-``--kv-offload`` (sparse layers in a host pool), which rewrites the request's
-blocks, so prefix caching is off there and the prompts are read again: it
-runs the largest budget only.
-
-Per configuration: ``STEPS`` decode steps with all four requests running
-(batch 4), then three are aborted and the fourth runs ``STEPS`` more
-(batch 1). ``ms_per_token``: median wall time of those steps (each request
-gets one token per step; the median, because this shared machine's step
-times jump by tens of percent between runs); ``decode_tokens_per_s``: batch / that. With ``--rounds N`` the cached
-engine times every configuration N times, in rotation (each round goes through
-them all), and ``ms_per_token`` is the median of the N rounds' medians
-(``ms_per_token_rounds``: each round's): step times on this shared machine
-drift by tens of percent from one minute to the next, and in rotation a drift
-falls on every configuration alike instead of on the ones timed during it.
-``needle_correct``: the fraction of the four whose first 12 tokens hold their
-key; ``same_answers``: the fraction whose first 12 tokens equal the full
-cache's (the answers themselves are in the JSON); ``blocks_held``: vLLM KV
-blocks in use at the end of that batch's steps. Writes
-``benchmarks/results/decode.json``, a markdown table and ``decode.png``.
-
-OmniKV's bound, from the same run: the first engine also decodes a
-``SHORT_CONTEXT``-token prompt with the full cache, whose step is what a step
-costs outside attention. A full-cache step at context ``c`` spends
-``(full - short) / layers`` per layer on attention, so if OmniKV's sparse
-layers and its selection were free its step would take ``short +
-full_attention_layers x (full - short) / layers``. ``speedup``: the full
-cache's step over this row's; ``bound``: the full cache's step over that
-free-sparse-layer step; ``of_bound``: speedup / bound (same batch, same context).
+Two engines decode four passkey prompts per context at batch 4 and 1, each configuration timed against the full cache
+and OmniKV's bound from the same run; writes ``benchmarks/results/decode.json``, a table and a plot. Method and
+columns: docs/benchmarks.md#decode-speed-runs.
 """
 
 from __future__ import annotations

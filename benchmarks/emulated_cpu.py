@@ -4,13 +4,9 @@
     python benchmarks/emulated_cpu.py                  # this CPU; AVX2 code; AVX2 code on cores left 0.55 and 0.4
     python benchmarks/emulated_cpu.py --shares 0.4 --repeats 1 --out /tmp/emulated_cpu.json
 
-Times ``python tests/e2e/engine_run.py --policy none`` (its own interpreter: vLLM's import, the engine's start,
-the suite's six mixed prompts) from start to exit, ``--repeats`` times per setting: as this CPU runs it; under
-``tests/avx2/avx2.sh`` (vLLM's AVX2 build, AVX2 code in ATen, oneDNN, MKL, OpenBLAS and NumPy); and under
-``tests/avx2/cpu_share.sh S`` too, each core left S of its time (root). The slowdowns compare with the AVX2 EPYC
-this project's machine kind has come with, which took 3.3x to 4.8x as long for vLLM's engine as the AVX-512 one
-(docs/benchmarks.md, Machines): the share at which the emulation is at least that slow is the one to run the
-suite under.
+Times one ``tests/e2e/engine_run.py`` run from start to exit as this CPU runs it, under ``tests/avx2/avx2.sh``, and on
+cores left a share of their time, to compare with the AVX2 EPYC. Method and columns:
+docs/benchmarks.md#avx2-emulation-runs.
 """
 
 from __future__ import annotations

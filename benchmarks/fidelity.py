@@ -3,26 +3,10 @@
     python benchmarks/fidelity.py --quick   # 2 prompts, budget 256, passkey at 50%; stock + 4 policies
     python benchmarks/fidelity.py           # 20 prompts of 2K-4K tokens, budgets 128/256/512, 5 depths
 
-Fidelity: stock vLLM (the full cache) greedily continues each haystack
-prompt by 64 tokens. Each policy then reads the same prompt, compresses it,
-and is teacher-forced along those 64 tokens by a logits processor; vLLM's
-raw logprobs (computed before any logits processor) give, per position, the
-policy's own next-token distribution. ``top1_agreement``: how often its
-argmax is the full cache's token. ``mean_kl``: KL(full || policy) over the
-full cache's top-20 tokens, both renormalized there; a token missing from the
-policy's top 20 takes the policy's 20th logprob (an upper bound on its
-probability, so a lower bound on that term).
-
-Passkey: a five-digit key in a sentence at several depths of a 3,000-token
-haystack, asked for at the end; greedy, a hit when the key's digits appear in
-the first 12 generated tokens. The full cache is measured the same way.
-
-One engine per policy (budgets are per request, through ``kv_budget`` in the
-request's ``extra_args``), each in its own process, prompts read in chunks of
-``PREFILL_CHUNK`` tokens (keydiff evicts after each). Each engine's results
-wait in ``<out>.work/`` until the table is written, so an interrupted run
-resumes where it stopped. Writes ``benchmarks/results/fidelity.json``, a
-markdown table and ``fidelity.png`` (quick mode: ``fidelity_quick.*``).
+Each policy reads the full cache's prompts, compresses them and is teacher-forced along its 64 greedy tokens
+(``top1_agreement``, ``mean_kl``); passkey retrieval at several depths. One engine per policy. Writes
+``benchmarks/results/fidelity.json``, a markdown table and ``fidelity.png``. Method and columns:
+docs/benchmarks.md#fidelity-runs.
 """
 
 from __future__ import annotations

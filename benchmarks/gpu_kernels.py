@@ -3,22 +3,8 @@
     python benchmarks/gpu_kernels.py            # writes benchmarks/results/gpu_kernels.json, .md, .png
     python benchmarks/gpu_kernels.py --quick    # fewer timing repeats
 
-Needs a CUDA GPU (vLLM is not needed: the kernels and their baselines are
-plain torch and Triton; with vLLM's CUDA wheel on a Hopper GPU the prompt
-rows also time FlashAttention 3's paged varlen call over the same one-head
-pages, ``fa3_ms``, and check its output against the kernels' loop reference,
-``fa3_ok``; elsewhere those columns stay empty and the run says why).
-Shapes are one attention layer of Llama-3.1-8B
-(32 query heads over 8 KV heads, head size 128, bfloat16) on vLLM's GPU page
-layout ``[blocks, kv_heads, 16, 2 * 128]``, pages of one KV head handed out in
-shuffled order as the engine's page tables do. ``torch_ms`` is the baseline a
-GPU user would otherwise run: torch's fused SDPA (FlashAttention) over dense
-contiguous K/V of the same lengths for attention, the same math in dense
-torch for the scores, advanced indexing for the copies. ``GB/s`` counts the
-cache bytes a kernel must read or write once; ``% peak`` is against the
-H100's 3.35 TB/s HBM3. The prompt row runs twice: on a cache allocated
-head-major (HND) and on one whose block interleaves its heads token by token
-(NHD, vLLM 0.32's default physical order for this logical shape).
+Needs a CUDA GPU, not vLLM: one attention layer of Llama-3.1-8B on vLLM's GPU page layout, each kernel against torch's
+dense baseline on the same lengths. Method and columns: docs/benchmarks.md#gpu-kernel-runs.
 """
 
 from __future__ import annotations

@@ -3,41 +3,9 @@
     python benchmarks/host_overhead.py            # batches 1, 16, 64, 256; writes results/host_overhead.json, .md, .png
     python benchmarks/host_overhead.py --quick    # batches 1 and 16, fewer steps
 
-Drives the real code of the CUDA path on this CPU: the step builder
-(``StepBuilder.build`` with the Triton ops' planner) and the ops' staging of
-the step's index tensors (``TritonOps.stage``), then, per layer, the
-per-head path's write, attention and after-attention glue with
-``TritonOps``, whose kernels, cache geometry and the scatter that brings the
-device's page tables up to date (``staging.update_tables``) are replaced by
-stubs that do nothing. What is timed is therefore Python, numpy and small torch
-work on the host: on a GPU the kernels queue asynchronously behind it, so a
-step costs at least this much host time whatever the GPU (the launches
-themselves not counted).
-
-Shape: Llama-3.1-8B (32 layers, 32 query heads over 8 KV heads, head size
-128, bfloat16) on vLLM's 16-token CUDA blocks; every request has a 4,096-token
-context compressed to ``adasnap``'s budget of 1,024 tokens per KV head on
-average, with Ada-KV's uneven per-head lengths (each head keeps between half
-and twice the budget; every layer's heads add up to the layer's budget).
-Three steps per batch size B: B decoding requests; the same in the fixed
-shapes of full CUDA graphs (``modes/fixed_decode.py``), where only the builder
-runs on the host (a GPU replays the layers from the graph, so their Python
-glue is not timed, and the builder's copies into the buffers are device work,
-stubbed and counted as launches); and one 2,048-token prompt chunk (the first
-half of a new 4K prompt, read on the stock rows) beside B decodes. The batch's block table is one persistent tensor, as vLLM's
-``BlockTable`` is: a row is written when a request joins the batch, not
-rebuilt before every step (rebuilding it from Python lists, as this benchmark
-did until 2026-11-27, evicted the caches the timed step then read: the same
-code measured 1.3-2.2 ms at batch 256 that way, 1.0-1.1 ms with the
-persistent table, in one minute).
-
-Host<->device traffic is counted, not timed: every copy the ops make to the
-cache's device (``ops/staging.py``'s ``copy_to``: the step's one staged copy,
-and tensors made after it) is a host-to-device copy on a GPU, and every
-``.cpu()`` that kvpolicy's code calls during the step is a device-to-host copy
-there. The compressed-prompt row relocates one 4K prompt
-(its last chunk completes it) through every layer, with the policy scoring
-random K/V on this CPU, and reports the bytes that would cross.
+Drives the real CUDA-path code on this CPU with the kernels and device copies stubbed, so what is timed is the host
+work a GPU step waits for; copies between host and device are counted. Method and columns:
+docs/benchmarks.md#host-overhead-runs.
 """
 
 from __future__ import annotations

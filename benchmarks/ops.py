@@ -3,15 +3,9 @@
     python benchmarks/ops.py            # writes benchmarks/results/ops.json, .md, .png
     python benchmarks/ops.py --quick    # fewer repeats
 
-Shapes are the default model's (SmolLM2-135M: 3 KV heads, 9 query heads, head
-size 64) in float32, on a cache laid out exactly as vLLM's CPU writer packs it
-(``page_layout`` discovers it from ``cpu_attn_reshape_and_cache``), 128-token
-pages. ``torch_ms`` is the path ``CPUOps`` takes without the extension (still
-there for ISAs whose page packing is not affine); ``csrc_ms`` is the C++ op.
-Both are medians over the repeats, after one warm-up call, at torch's thread
-count. For the column sums, ``gemm_floor_ms`` is the time of the causal
-query-key products alone (torch's GEMM over the whole matrix, halved): what
-any exact implementation must at least spend.
+Each op on the default model's shapes, on a cache laid out as vLLM's CPU writer packs it, against the torch code it
+replaced; for the column sums, the GEMM floor any exact implementation spends. Method and columns:
+docs/benchmarks.md#c-op-runs.
 """
 
 from __future__ import annotations

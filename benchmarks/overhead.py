@@ -3,28 +3,9 @@
     python benchmarks/overhead.py --quick   # 2 requests of 3,000 tokens, 4 rounds
     python benchmarks/overhead.py           # and 8 requests of 1,000 tokens
 
-``identity`` relocates every request into per-head pages and keeps every
-token, so the difference is the cost of kvpolicy's plumbing alone: the step
-built once per step, the one-head cache writes and the one-head attention
-calls. The engine runs ``--kv-policy identity``; a request sent with
-``kv_policy: none`` in its extra args takes vLLM's stock path in that same
-engine (what ``--kv-policy none`` runs, bit for bit), so both modes share the
-process, the cores and the pages, and differ only in the path. Comparing two
-engines did not work on this shared machine: a stock engine's decode step
-moved by up to 20% between runs minutes apart.
-
-Each round runs the batch once per mode, in alternating order: the prompts
-are read (untimed), then ``STEPS`` decode steps are timed one by one
-(``LLMEngine.step``) and the requests are aborted. ``ms_per_step``: the median
-step of a mode over every round; ``overhead``: the median over rounds of
-identity's median step over the stock path's, minus 1. Noise on a shared
-machine only adds time, and it comes in bursts longer than a round, so the
-table also gives the fastest tenth of each mode's steps over every round
-(``fast_ms_per_step``, the first decile) and their ratio (``fast_overhead``).
-``same_tokens``: the
-fraction of requests whose greedy tokens are equal in both modes (over
-the tokens both produced). Writes
-``benchmarks/results/overhead.json``, a markdown table and ``overhead.png``.
+``identity`` keeps every token in per-head pages, so its step against vLLM's stock path, both in one engine (a request
+with ``kv_policy: none``), is the cost of kvpolicy's plumbing alone. Writes ``benchmarks/results/overhead.json``, a
+markdown table and ``overhead.png``. Method and columns: docs/benchmarks.md#overhead-runs.
 """
 
 from __future__ import annotations

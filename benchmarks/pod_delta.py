@@ -4,18 +4,10 @@
     python benchmarks/pod_delta.py --deltas 0.5 0.6 --lengths 2000
     python benchmarks/pod_delta.py --first-seed 100 --seeds 2 --lengths 2000 4000   # the tuning prompts
 
-A higher δ groups fewer layers (Algorithm 1 of PoD, arXiv:2412.02252), so fewer (layer, KV head)
-pairs share the distant tokens' logits: less K+V saved, answers nearer the full cache's. Each δ's
-grouping is made from the similarity the shipped calibration measured
-(``kvpolicy/data/pod_groups_smollm2.json``; ``python -m kvpolicy.offline.calibrate_pod --delta X`` measures
-it again; ``--kv-pod-delta X`` regroups it at serve time), saved under ``results/pod_delta_groups/`` and
-served with ``--kv-pod-groups``. The answers
-come from the quality harness (``benchmarks/quality.py``, its prompts, its cell cache, its JSON beside
-this one); the K+V saved at each length is ``PoD.saved_fraction`` of the grouping, and the blocks a
-request frees at ``--block-lengths`` are what the engine's layout holds (``SharedPages.blocks_needed``,
-vLLM's CPU block of 128 tokens) against stock's. A δ is chosen on the tuning prompts (``--first-seed
-100``) and reported on the others. Writes ``results/pod_delta.json``, a table and a plot of accuracy
-against K+V saved.
+A higher δ groups fewer layers, so less K+V is saved and answers come nearer the full cache's; the answers come from
+the quality harness. Paper: *Compressing KV Cache for Long-Context LLM Inference with Inter-Layer Attention
+Similarity*, arXiv:2412.02252. Writes ``results/pod_delta.json``, a table and a plot. Method and columns:
+docs/benchmarks.md#pod-δ-runs.
 """
 
 from __future__ import annotations

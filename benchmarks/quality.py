@@ -3,31 +3,10 @@
     python benchmarks/quality.py --quick   # passkey, niah, multikey at 1K, 6 prompts each; 4 policies at ratio 0.75
     python benchmarks/quality.py           # all six tasks at 1K/2K/4K/8K, 6 prompts per cell, all policies and ratios
 
-The tasks (``benchmarks/tasks.py``) are generated here from a seed: the same
-command gives the same prompts. The full cache (``--kv-policy none``) answers
-every prompt first; a task x context it answers in fewer than ``RELIABLE`` of
-its prompts (``TASK_RELIABLE`` for a task the model answers less often) tells
-nothing about compression, so the policies are run only on the task x contexts
-the full cache solves (its whole table is in the JSON).
-
-A budget is a token count (``256``: tokens kept per KV head, or per sparse
-layer for omnikv) or a compression ratio below 1, the unit kvpress and the
-papers report (``0.75``: a quarter of each prompt kept, the budget
-``--kv-ratio 0.25`` would give; for omnikv, 1 - Mem%). Budgets are per
-request (``kv_budget`` in the request's ``extra_args``), so each policy is one
-engine, in its own process (``--jobs`` of them at once: the CPU engine uses
-one core), reading prompts in chunks of ``PREFILL_CHUNK`` tokens (keydiff
-evicts after each). A policy spec may name its own budget, ``omnikv@0.7``, or
-none, ``pod@full`` (a policy that takes no budget; drawn as a level).
-Every (policy, budget, task, context) cell is saved as soon as its engine has
-answered it, under a digest of its prompts, in ``quality.work/`` beside the
-output (so the quick and full runs, and any ``--out`` in the same folder, share
-them): an interrupted or extended run computes only the cells it lacks, and a cell's
-answers do not depend on the run (an engine has only that cell's prompts in
-flight at once, which matters for keydiff: it evicts where the scheduler's
-shared prefill chunks end).
-Greedy decoding, fp32. Writes ``benchmarks/results/quality.json`` (quick:
-``quality_quick.json``), a markdown table and a plot beside it.
+Tasks generated from a seed (``benchmarks/tasks.py``), run on the task x contexts the full cache solves, one engine per
+policy, budgets per request; every cell is cached under a digest of its prompts, so a run computes only what it lacks.
+Writes ``benchmarks/results/quality.json``, a markdown table and a plot. Method and columns:
+docs/benchmarks.md#the-task-accuracy-harness.
 """
 
 from __future__ import annotations

@@ -5,16 +5,8 @@
     python benchmarks/throughput.py --preset decode-heavy   # 16 requests, 1,024 output tokens: stock against adasnap@256
     python benchmarks/throughput.py --preset pages --block-size 32   # memory efficiency of six policies at budget 256, one page pool per model and per layer
 
-Every configuration runs in a fresh engine process (vLLM's offline ``LLM``
-driven step by step) on the same haystack prompts, all submitted at once.
-Per step it samples vLLM's own Prometheus gauges, so peak running requests,
-preemptions and blocks held are what vLLM's scheduler saw; blocks per
-request is blocks held over running requests, averaged over the steps. A 4K-token prompt
-alone, after one untimed run of it, measures time to first token twice:
-with a per-request budget of its whole length (vLLM's stock path, in the
-same engine) and with the engine's budget; their ratio is the cost of
-compression at the end of prefill (``ttft_overhead``). Writes ``benchmarks/results/throughput.json``,
-a markdown table and ``throughput.png``.
+One fresh engine per configuration, prompts submitted at once, vLLM's own gauges for running, preemptions and blocks
+held; writes ``benchmarks/results/throughput.json``, a table and a plot. Method: docs/benchmarks.md#throughput-runs.
 """
 
 from __future__ import annotations
