@@ -5,16 +5,10 @@
     python benchmarks/load.py --url http://127.0.0.1:8000   # a server already running (`make serve`)
     python benchmarks/load.py --dashboard       # also scrape with a real Prometheus and plot the dashboard's panels
 
-Without ``--url`` it starts ``vllm serve`` on loopback with ``--kv-policy
-adasnap --kv-budget 256``. Requests mix prompt lengths (a short chat; 300,
-800 and 2,000 tokens), streaming and not, per-request budgets and
-policies (``kv_budget``; ``kv_policy`` none or snapkv), and 20% are streamed
-then closed by the client after two chunks. About 5% are bad inputs that
-must come back as a 400 (unknown or misspelt options, a policy the server
-cannot serve, bad budgets, a prompt over the context limit). Afterwards it
-waits for vLLM's KV pool to be empty and checks the server still answers.
-Writes ``benchmarks/results/load.json`` (quick: ``load_quick.json``), a
-markdown table and a latency plot.
+Without ``--url`` it starts ``vllm serve --kv-policy adasnap --kv-budget 256`` on loopback. A seeded mix of prompt
+lengths, streaming, per-request options, client aborts and bad inputs that must come back as a 400; afterwards vLLM's
+KV pool must be empty and the server still answering. Writes ``benchmarks/results/load.json``, a table and a latency
+plot. The mix and the checks: docs/operations.md#the-load-test.
 """
 
 from __future__ import annotations
