@@ -5,10 +5,9 @@
     python benchmarks/load.py --url http://127.0.0.1:8000   # a server already running (`make serve`)
     python benchmarks/load.py --dashboard       # also scrape with a real Prometheus and plot the dashboard's panels
 
-Without ``--url`` it starts ``vllm serve --kv-policy adasnap --kv-budget 256`` on loopback. A seeded mix of prompt
-lengths, streaming, per-request options, client aborts and bad inputs that must come back as a 400; afterwards vLLM's
-KV pool must be empty and the server still answering. Writes ``benchmarks/results/load.json``, a table and a latency
-plot. The mix and the checks: docs/operations.md#the-load-test.
+Without ``--url`` it starts ``vllm serve --kv-policy adasnap --kv-budget 256`` on loopback. A seeded mix of lengths,
+streaming, per-request options, client aborts and bad inputs (each a 400); then the KV pool must be empty and the server
+answering. Writes ``benchmarks/results/load.json``, a table and a plot; the mix: docs/operations.md#the-load-test.
 """
 
 from __future__ import annotations
