@@ -4,27 +4,10 @@
     python tests/e2e/engine_run.py --stock --out stock.json   # vLLM without kvpolicy
     python tests/e2e/engine_run.py --policy adasnap --budget 128 --capture --out a.json
 
-``--capture`` also saves, beside the JSON, what the policy saw and chose for
-the longest prompt at a few layers (``<out>.captured.pt``): real tensors for
-the reference tests.
-
-Deterministic on purpose, so runs compare bit for bit: the engine core runs
-in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so every request is
-queued before the first step and the batches do not depend on timing (with
-a separate core process, a loaded machine changed them); and on one OpenMP
-thread, what vLLM's own binding gives a worker on a 2-core machine. With more
-threads the CPU attention kernel splits a call's work by the whole call's
-KV length, so the stock rows' own call (the relocated rows attend apart)
-may tile a prompt differently from stock vLLM's full-batch call: the same
-result up to float rounding, not bitwise. In-process also lets
-``--capture`` reach the worker's policy.
-
-Token ids in, token ids and logprobs out: the tokenizer is never loaded.
-
-Prompts of different lengths with chunked prefill on and a small token budget
-per step, so long prompts are read over several steps while short ones
-already decode: prefill and decode share steps. Its own process, because
-vLLM's engine core is spawned and each run needs a clean plugin state.
+Prompts of different lengths read in chunks while short ones decode, token ids in, token ids and logprobs out (no
+tokenizer); ``--capture`` also saves what the policy saw and chose for the longest prompt at a few layers
+(``<out>.captured.pt``) for the reference tests. Deterministic on purpose, so runs compare bit for bit: the engine
+core in this process, on one OpenMP thread; why: docs/benchmarks.md#how-engine-runs-stay-deterministic-and-cheap.
 """
 
 from __future__ import annotations

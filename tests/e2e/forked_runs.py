@@ -1,26 +1,11 @@
 """Engine runs and ``vllm`` commands forked from one process that has imported vLLM already, instead of each
 from a fresh interpreter.
 
-Starting Python, torch and vLLM is most of a small engine run. A
-``forkserver`` imports them once, with the settings every ``engine_run.py``
-run sets anyway; each run is a process forked from it that runs
-``engine_run.main`` as the script does, with its own engine and plugin state.
-The server never imports kvpolicy, so kvpolicy's modules come from the tree
-under test in every run, and ``--stock`` runs load no plugin, as in their own
-interpreter. CPU time of one run (2-core machine, 2026-11-27): the default
-model's mixed batch 19.5 to 21 s from its own interpreter, 10 to 10.5 s
-forked; a tiny model's 14 to 15 s and 4.6 to 5.4 s; a refused start 8.8 s
-and 0.2 s. On 2026-11-28, a tiny model's forked run: 5.1 to 5.2 s; 3.3 to
-3.6 s with the sampler's kernel compiled in the server; 2.6 to 2.7 s with
-vLLM's explicit garbage collections skipped too. On 2026-11-29, a tiny
-model's run of three short prompts: 1.36 s; 0.55 s with a pool sized to the
-run (``engine_run.py``), the rest of a run's imports preloaded and vLLM's
-kernel registration inherited (``forkserver_warmup.py``).
-
-A ``vllm`` command runs the console script's own ``main`` in a forked
-process, in the environment the test gives it: the plugin loads from its
-entry point there, as in a command of its own (one that fails on its options
-took 8 s from its own interpreter).
+Starting Python, torch and vLLM is most of a small engine run. A ``forkserver`` imports them once, with the settings
+every ``engine_run.py`` run sets anyway; each run is a process forked from it that runs ``engine_run.main`` as the
+script does, with its own engine and plugin state, and a ``vllm`` command runs the console script's ``main`` in the
+environment the test gives it. The server never imports kvpolicy, so each run takes kvpolicy from the tree under test
+and ``--stock`` runs load no plugin. What it saves: docs/benchmarks.md#how-engine-runs-stay-deterministic-and-cheap.
 """
 
 from __future__ import annotations

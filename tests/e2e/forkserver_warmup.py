@@ -1,17 +1,11 @@
 """Imported by the forkserver of ``forked_runs.py``: work every forked engine run would otherwise repeat, done
 once there and inherited by each fork.
 
-vLLM's sampler ranks each sampled token with ``batched_count_greater_than``, a ``torch.compile`` function
-(Inductor on CPU). Every ``engine_run.py`` run asks for logprobs, so each forked run used to trace and load it
-anew: about 2.3 s of a tiny model's 5 s run (2026-11-28). Dynamo keeps what it compiled on the function's
-code object, which a fork copies. The sampler's own ``gather_logprobs`` makes the call, as in a run (float32
-logprobs over the vocabulary, inference mode); a run whose vocabulary differs compiles its own, as before.
-
-A worker registers the platform's stand-ins for vLLM's Triton kernels (on CPU, C++ ones) when it starts, and
-the registration scans every loaded module for references to rebind: 0.22 s of a tiny model's 0.75 s run
-(2026-11-29). Registered here, after the modules a run uses are imported; a forked run then skips it
-(``skip_inherited_registration``), and a worker spawned afresh (tensor and pipeline parallel ranks) registers
-its own.
+It compiles vLLM's sampler's ``batched_count_greater_than`` (``torch.compile``) through the sampler's own
+``gather_logprobs``, as a run calls it, since Dynamo keeps what it compiled on the code object a fork copies (a run
+whose vocabulary differs compiles its own); and it registers the platform's stand-ins for vLLM's Triton kernels after
+the modules a run uses are imported, so a forked run skips that scan (``skip_inherited_registration``) and a worker
+spawned afresh registers its own. The time each saves: docs/benchmarks.md#how-engine-runs-stay-deterministic-and-cheap.
 """
 
 import warnings
