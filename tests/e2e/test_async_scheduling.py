@@ -1,14 +1,12 @@
 """vLLM's asynchronous scheduler gives kvpolicy's policies what its synchronous one gives, bit for bit.
 
-That scheduler (vLLM's CUDA default) schedules step N+1 before it reads step
-N's block releases (``kvpolicy/vllm/scheduler/connector.py``); with prefix caching, the
-blocks step N may rewrite leave the cache when N is scheduled. vLLM's CPU platform turns
-it off; ``engine_run.py --async-scheduling`` turns it back on, and vLLM's engine
-core, scheduler and model runner run it on CPU as on a GPU. The runs are those
-of the first GPU check: the tiny model of head size 64, 32-token blocks, a
-256 MiB pool. There, before the fix, ``identity``'s 256-token request took its
-first decode token into a block the release had just freed, and a request that
-crossed a block boundary 13 steps later wrote three tokens over it.
+That scheduler (vLLM's CUDA default) schedules step N+1 before it reads step N's block releases
+(``kvpolicy/vllm/scheduler/connector.py``); with prefix caching, the blocks step N may rewrite leave the cache when N
+is scheduled. vLLM's CPU platform turns it off; ``engine_run.py --async-scheduling`` turns it back on, and vLLM's
+engine core, scheduler and model runner run it on CPU as on a GPU. The runs are those of the first GPU check: the tiny
+model of head size 64, 32-token blocks, a 256 MiB pool. There, before the fix, ``identity``'s 256-token request took
+its first decode token into a block the release had just freed, and a request that crossed a block boundary 13 steps
+later wrote three tokens over it.
 """
 
 import pytest

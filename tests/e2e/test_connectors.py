@@ -1,20 +1,12 @@
 """kvpolicy beside another KV connector in vLLM's MultiConnector, on the real engine.
 
-vLLM's example connector saves each new prompt's KV to files and loads it
-for a prompt it has seen (external tokens, like a prefix-cache hit). Beside
-``omnikv`` (which leaves blocks as vLLM wrote them) one engine saves with
-prefix caching on, a second engine on the same files loads, and both give
-the outputs of ``omnikv`` alone, with kvpolicy's counters reported through
-the MultiConnector and every block free. Beside ``adasnap``, which packs
-pages into the blocks that connector saves, the engine refuses to start and
-says why (kvpolicy/vllm/startup/connector_chain.py).
-
-vLLM's offloading connector runs with kvpolicy's offloading spec
-(kvpolicy/vllm/scheduler/prefix_offload.py) beside ``adasnap`` with prefix caching on:
-a prompt after a shared prefix loads from host chunks the prefix blocks the
-first request's packing took out of the prefix cache, and gives the outputs
-of the run without the connector; blocks copied after a relocation never
-reach a later prompt.
+vLLM's example connector saves each new prompt's KV to files and loads it for a prompt it has seen: beside ``omnikv``
+one engine saves with prefix caching on, a second loads from the same files, both give ``omnikv``'s outputs alone with
+kvpolicy's counters reported and every block free; beside ``adasnap``, which packs pages into the blocks it saves,
+the engine refuses to start and says why (``startup/connector_chain.py``). vLLM's offloading connector with
+kvpolicy's spec (``scheduler/prefix_offload.py``) beside ``adasnap``: a prompt after a shared prefix loads from host
+chunks the prefix blocks packing took out of the prefix cache, gives the outputs of the run without the connector,
+and never receives a block copied after a relocation.
 """
 
 import json

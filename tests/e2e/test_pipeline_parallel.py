@@ -1,15 +1,12 @@
 """Pipeline parallelism through vLLM: two stages, each compressing its own layers.
 
-The small random-weight Llama of the tensor-parallel test (4 layers), one
-stage per core: each stage holds, scores and packs its own two layers, and
-Ada-KV allocates per layer, so nothing crosses stages. Two stages keep what
-one engine keeps: the same tokens, the same counts, each request counted
-once in the metrics, every block free after.
+The small random-weight Llama of the tensor-parallel test (4 layers), one stage per core: each stage holds, scores and
+packs its own two layers, and Ada-KV allocates per layer, so nothing crosses stages. Two stages keep what one engine
+keeps: the same tokens, the same counts, each request counted once in the metrics, every block free after.
 
-KeyDiff evicts at the end of every chunk a prompt is read in, so its result
-depends on where the chunks end; vLLM keeps a batch in flight per stage and
-schedules around it, which moves the chunk ends of prompts read over several
-steps. Its prompts here fit one step, as on one engine.
+KeyDiff evicts at the end of every chunk a prompt is read in, so its result depends on where the chunks end; vLLM keeps
+a batch in flight per stage and schedules around it, which moves the chunk ends of prompts read over several steps. Its
+prompts here fit one step, as on one engine.
 """
 
 import pytest

@@ -1,14 +1,11 @@
 """Prefix caching with compressing policies, on the real engine (a chat through the real server: test_server.py).
 
-A prompt that starts with a cached prefix reads it from the blocks an earlier
-request handed back, computes the rest, and is then compressed over its whole
-prompt: its output equals the output with prefix caching off. Blocks a
-relocated request keeps leave the prefix cache, so no later prompt is served
-relocated pages; PoD's layout and OmniKV's offload also write only the
-request's own blocks. H2O/D2O (scores from every prompt query) and KeyDiff
-(evicts chunk by chunk) do not read the prefix cache: their outputs equal
-too, with no hits. A prompt whose blocks are mostly shared with running
-requests has no room of its own to relocate into and stays uncompressed.
+A prompt that starts with a cached prefix reads it from the blocks an earlier request handed back, computes the rest,
+and is then compressed over its whole prompt: its output equals the output with prefix caching off. Blocks a relocated
+request keeps leave the prefix cache, so no later prompt is served relocated pages; PoD's layout and OmniKV's offload
+also write only the request's own blocks. H2O/D2O (scores from every prompt query) and KeyDiff (evicts chunk by chunk)
+do not read the prefix cache: their outputs equal too, with no hits. A prompt whose blocks are mostly shared with
+running requests has no room of its own to relocate into and stays uncompressed.
 """
 
 import pytest

@@ -1,20 +1,13 @@
 """No decode step of any policy family reads back what lies on the device.
 
-The step path runs as the engine runs it (the mode builds the step from a batch, the builder's ops
-stage it, and every layer writes and attends through ``step.write`` / ``step.attend``) over a KV
-cache on the ``meta`` device, which stands for a GPU whose data never reaches the host: the
-queries, keys and values, and everything the ops hand back, lie there too. A shim records every
-host read of such a tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, truth values,
-``nonzero``, a boolean mask) and every op that mixes a device tensor with a host one (indexing with
-host indices is a blocking copy on a GPU; most other mixes are errors there). Decode steps of
-relocated requests (every relocating policy, the evicting ones between their passes), OmniKV's
-selection in its filter layers, PoD's layout and its decode (with and without tau), and steps that
-mix a prompt chunk on the stock rows with them, must record nothing.
-
-What does read back, once per request rather than per step: Ada-KV's per-head counts and D2O's
-layer budgets at relocation (their policies' one read each; tests/plugin/test_per_head_device.py
-relocates the others over a ``meta`` cache), and OmniKV's choice for offloaded rows, whose staging
-pages the host keeps.
+The step path runs as the engine runs it (the mode builds the step, the builder's ops stage it, every layer writes and
+attends through ``step.write`` / ``step.attend``) over a KV cache on the ``meta`` device, which stands for a GPU whose
+data never reaches the host. A shim records every host read of such a tensor (``.item()``, ``.tolist()``,
+``.cpu()``, ``.numpy()``, truth values, ``nonzero``, a boolean mask) and every op mixing a device tensor with a host
+one. Decode steps of relocated requests (the evicting policies between their passes), OmniKV's selection, PoD's
+layout and decode (with and without tau), and steps mixing a prompt chunk on the stock rows with them, record
+nothing. Read back once per request, not per step: Ada-KV's per-head counts and D2O's layer budgets at relocation
+(``test_per_head_device.py`` relocates the others), and OmniKV's choice for offloaded rows.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The per-head path scores where the cache is: nothing it reads of the cache is copied to the host.
 
-The cache here lies on the ``meta`` device, which stands for a GPU whose data
-never reaches the host: a ``.cpu()``, ``.item()`` or ``.tolist()`` of anything
-read from it (K/V, window queries, a new token's weights, carried scores)
-raises. Fake ops hand out meta tensors and record the moves; the page table
-stays on the host. A prompt is relocated in every layer, decode steps add
-their weights to the carried scores, and an eviction pass repacks: every move
-must take its sources from the cache's device and its destinations from the
-page table. The policies that read per-head counts or layer budgets back
-(Ada-KV's allocation, D2O's layer budgets: one documented sync each) are left
-out; tests/unit/test_policy_devices.py covers their scoring.
+The cache here lies on the ``meta`` device, which stands for a GPU whose data never reaches the host: a ``.cpu()``,
+``.item()`` or ``.tolist()`` of anything read from it (K/V, window queries, a new token's weights, carried scores)
+raises. Fake ops hand out meta tensors and record the moves; the page table stays on the host. A prompt is relocated in
+every layer, decode steps add their weights to the carried scores, and an eviction pass repacks: every move must take
+its sources from the cache's device and its destinations from the page table. The policies that read per-head counts or
+layer budgets back (Ada-KV's allocation, D2O's layer budgets: one documented sync each) are left out;
+tests/unit/test_policy_devices.py covers their scoring.
 """
 
 from types import SimpleNamespace
