@@ -1,17 +1,12 @@
 #!/usr/bin/env python3
 """vLLM 0.32.0 for CUDA, trimmed and split in two parts, for a lent GPU machine without network.
 
-Not the way to install kvpolicy (``pip install "kvpolicy[cuda]"`` is). The lent machine has
-torch 2.11 (cu130), triton and transformers but no vLLM and no network, and receives at most
-64 MiB per call, working tree included, so vLLM travels as two parts, one per call:
-
-- ``build`` (a networked machine): downloads the pinned wheels of ``bundle_requirements.txt``
-  (cached), keeps of vLLM's wheel what dense Llama/Qwen-shaped models need on Hopper, and writes
-  at most two ``.tar.xz`` parts, ``SHA256SUMS`` and a manifest of what was kept and dropped.
-- ``unpack`` (the target; Python's standard library only): checks each part that arrived against
-  ``SHA256SUMS`` and extracts it into one folder for PYTHONPATH; run it once per part.
-- ``lock`` (maintainers): rewrites ``bundle_requirements.txt`` from vLLM's metadata, the target's
-  package list and the exclusions below.
+Not the way to install kvpolicy (``pip install "kvpolicy[cuda]"`` is). The lent machine has torch 2.11 (cu130),
+triton and transformers but no vLLM and no network, and receives at most 64 MiB per call, so vLLM travels as two
+parts: ``build`` (networked) downloads the pinned wheels of ``bundle_requirements.txt``, keeps of vLLM's wheel what
+dense Llama/Qwen-shaped models need on Hopper and writes the parts, ``SHA256SUMS`` and a manifest; ``unpack`` (the
+target, standard library only) checks and extracts each part that arrived; ``lock`` rewrites
+``bundle_requirements.txt`` from vLLM's metadata, the target's package list and the exclusions below.
 """
 
 from __future__ import annotations
