@@ -4,7 +4,8 @@
     python benchmarks/gpu_kernels.py --quick    # fewer timing repeats
 
 Needs a CUDA GPU, not vLLM: one attention layer of Llama-3.1-8B on vLLM's GPU page layout, each kernel against torch's
-dense baseline on the same lengths. Method and columns: docs/benchmarks.md#gpu-kernel-runs.
+dense baseline on the same lengths; with vLLM's wheel on a Hopper GPU, FlashAttention 3 beside the Triton kernel on the
+same one-head pages, the engine's fixed-shape decode call included. Method and columns: docs/benchmarks.md#gpu-kernel-runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -28,7 +30,10 @@ from benchmarks.common import RESULTS_DIR, plot_timings, write_results  # noqa: 
 
 Q_HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 GROUP, SCALE = Q_HEADS // KV_HEADS, 1 / math.sqrt(HEAD_SIZE)
-PEAK_GBPS = 3350
+#: HBM peak (GB/s) by a substring of the device's name, most specific first (the vendors' data sheets).
+PEAK_GBPS = (("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350))
+#: The GPU sweep's ``--max-model-len`` (4,096 in, 1,024 out, 128 of slack): what a fixed-shape call's grid is sized for.
+MAX_MODEL_LEN = 4096 + 1024 + 128
 ELEMENT = torch.tensor([], dtype=DTYPE).element_size()
 COLUMNS = [
     "kernel",
@@ -41,6 +46,7 @@ COLUMNS = [
     "% peak",
     "fa3_ms",
     "fa3_kernel_ms",
+    "fa3_% peak",
     "fa3_ok",
 ]
 #: Milliseconds of timed calls per case (triton.testing.do_bench's ``rep``).
@@ -126,22 +132,32 @@ def decode_case(requests: int, length: int, ragged: bool = False) -> Case:
         query = torch.randn(requests, Q_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
         out = torch.empty_like(query)
         seq = torch.arange(seqs, device="cuda")
-        args = (seq // KV_HEADS, seq % KV_HEADS, torch.arange(seqs + 1, device="cuda"), seq_lens, table)
+        args = (
+            seq // KV_HEADS,
+            seq % KV_HEADS,
+            torch.arange(seqs + 1, device="cuda", dtype=torch.int32),
+            seq_lens,
+            table,
+        )
         k, v = dense_kv(requests, length)
         q = query.unsqueeze(2)
-        return (
-            lambda: kt.paged_attention(query, out, cache, geom, *args, SCALE, KV_HEADS),
+        longest = max(lengths)  # as the engine passes it: from the host
+        return Calls(
+            lambda: kt.paged_attention(query, out, cache, geom, *args, SCALE, KV_HEADS, 1, longest),
             lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
             2 * sum(lengths) * HEAD_SIZE * ELEMENT,
+            flash_run(query, cache, geom, *args, max_query_len=1),
         )
 
     kept = f"per-head lengths {length // 4}..{7 * length // 4}, mean {length}" if ragged else f"{length} tokens"
     return Case("paged_attention (decode)", f"{requests} requests, {kept}", f"SDPA, dense, {length} tokens", setup)
 
 
-def flash_run(query, cache, geom, token, head, starts, seq_lens, table) -> FlashRun | str:
+def flash_run(query, cache, geom, token, head, starts, seq_lens, table, max_query_len, sample=None) -> FlashRun | str:
     """FlashAttention 3 (vLLM's ``vllm.vllm_flash_attn``, ``fa_version=3``) over the same one-head pages,
-    its arguments made by kvpolicy's helper from a one-head ``AttentionBatch``; or why it cannot run here."""
+    its arguments made by kvpolicy's helper from a one-head ``AttentionBatch``; or why it cannot run here.
+    ``sample``: the virtual sequences (token, head, starts, lengths, table) whose output is checked against the
+    loop reference (default: the call's own)."""
     try:
         from vllm.vllm_flash_attn import fa_version_unsupported_reason, flash_attn_varlen_func
 
@@ -155,10 +171,9 @@ def flash_run(query, cache, geom, token, head, starts, seq_lens, table) -> Flash
         return reason
     from tests.kernels.paging import TOLERANCE
 
-    length = query.shape[0]
     pages = flash_pages(cache)
-    tokens = torch.arange(length, device=query.device)
-    batch = AttentionBatch(tokens, starts, seq_lens, table, 1, VirtualSequences(length))
+    tokens = torch.arange(query.shape[0], device=query.device)
+    batch = AttentionBatch(tokens, starts, seq_lens, table, 1, VirtualSequences(max_query_len))
     call = flash_varlen_call(batch, HeadRows(token, head), pages)
     queries = call.queries(query, KV_HEADS)
     result, out = torch.empty_like(queries), torch.empty_like(query)
@@ -184,32 +199,26 @@ def flash_run(query, cache, geom, token, head, starts, seq_lens, table) -> Flash
         call.write(out, result, KV_HEADS)
 
     def check() -> tuple[float, bool]:
-        """The first and last CHECKED_TOKENS queries of every KV head, through the loop reference."""
         attend()
-        device = query.device
-        ends = torch.cat([torch.arange(CHECKED_TOKENS), torch.arange(length - CHECKED_TOKENS, length)]).to(device)
-        kv = torch.arange(KV_HEADS, device=device)
-        sample_token, sample_head = ends.repeat(KV_HEADS), kv.repeat_interleave(2 * CHECKED_TOKENS)
-        sample_starts = torch.arange(2 * KV_HEADS + 1, device=device) * CHECKED_TOKENS
-        prefix_and_whole = torch.tensor([CHECKED_TOKENS, length], device=device).repeat(KV_HEADS)
+        checked = sample or (token, head, starts, seq_lens, table)
         want = torch.zeros_like(query)
-        kt.paged_attention_reference(
-            query,
-            want,
-            cache,
-            geom,
-            sample_token,
-            sample_head,
-            sample_starts,
-            prefix_and_whole,
-            table.repeat_interleave(2, dim=0),
-            SCALE,
-            KV_HEADS,
-        )
-        got, expected = [t.unflatten(1, (KV_HEADS, -1))[sample_token, sample_head].float() for t in (out, want)]
+        kt.paged_attention_reference(query, want, cache, geom, *checked, SCALE, KV_HEADS)
+        got, expected = [t.unflatten(1, (KV_HEADS, -1))[checked[0], checked[1]].float() for t in (out, want)]
         return float((got - expected).abs().max()), torch.allclose(got, expected, **TOLERANCE[DTYPE])
 
     return FlashRun(attend, kernel, check)
+
+
+def prompt_ends(length: int, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The first and last ``CHECKED_TOKENS`` queries of every KV head of one prompt, as virtual sequences (the
+    prefix, then the whole prompt): what a prompt row checks of FlashAttention's output."""
+    device = table.device
+    ends = torch.cat([torch.arange(CHECKED_TOKENS), torch.arange(length - CHECKED_TOKENS, length)]).to(device)
+    kv = torch.arange(KV_HEADS, device=device)
+    token, head = ends.repeat(KV_HEADS), kv.repeat_interleave(2 * CHECKED_TOKENS)
+    starts = torch.arange(2 * KV_HEADS + 1, device=device) * CHECKED_TOKENS
+    prefix_and_whole = torch.tensor([CHECKED_TOKENS, length], device=device).repeat(KV_HEADS)
+    return token, head, starts, prefix_and_whole, table.repeat_interleave(2, dim=0)
 
 
 def prefill_case(length: int, physical: str = "HND") -> Case:
@@ -221,19 +230,95 @@ def prefill_case(length: int, physical: str = "HND") -> Case:
         out = torch.empty_like(query)
         token = torch.arange(length, device="cuda").repeat(KV_HEADS)
         head = torch.arange(KV_HEADS, device="cuda").repeat_interleave(length)
-        starts = torch.arange(KV_HEADS + 1, device="cuda") * length
+        starts = torch.arange(KV_HEADS + 1, device="cuda", dtype=torch.int32) * length
         args = (token, head, starts, seq_lens, table)
         k, v = dense_kv(1, length)
         q = query.transpose(0, 1).unsqueeze(0)
         return Calls(
-            lambda: kt.paged_attention(query, out, cache, geom, *args, SCALE, KV_HEADS),
+            lambda: kt.paged_attention(query, out, cache, geom, *args, SCALE, KV_HEADS, length, length),
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             2 * KV_HEADS * length * HEAD_SIZE * ELEMENT,
-            flash_run(query, cache, geom, *args),
+            flash_run(query, cache, geom, *args, max_query_len=length, sample=prompt_ends(length, table)),
         )
 
     shape = f"1 prompt of {length} tokens" + ("" if physical == "HND" else f", {physical} cache")
     return Case("paged_attention (prefill)", shape, "SDPA causal, dense", setup)
+
+
+def fixed_decode_case(requests: int, rows: int, physical: str = "HND") -> Case:
+    """The engine's fixed-shape decode call (``modes/fixed_decode.py``) of ``requests`` Ada-SnapKV requests at
+    budget 1,024 halfway through 1,024 output tokens (each KV head's kept count between 256 and 1,792, plus 512),
+    the batch padded to a CUDA graph's ``rows`` with sequences 0 keys long: kvpolicy's kernel as ``TritonOps``
+    launches it (grid for ``MAX_MODEL_LEN``, the split decode's workspace), FlashAttention 3 through
+    ``TritonOps.attend`` over the same int32 buffers (the buffers' views, ``FIXED_SPLITS``)."""
+
+    def setup():
+        generator = torch.Generator().manual_seed(4)
+        kept = torch.randint(256, 1793, (requests * KV_HEADS,), generator=generator) + 512
+        lengths = kept.tolist() + [0] * ((rows - requests) * KV_HEADS)
+        cache, geom, table, seq_lens = paged(lengths, physical=physical)
+        sequences = rows * KV_HEADS
+        width = -(-MAX_MODEL_LEN // BLOCK_SIZE)
+        tables = torch.zeros(sequences, width, dtype=torch.int32, device="cuda")
+        tables[:, : table.shape[1]] = table
+        virtual = torch.arange(sequences, device="cuda")
+        token_of, head_of = virtual // KV_HEADS, virtual % KV_HEADS
+        starts = torch.arange(sequences + 1, dtype=torch.int32, device="cuda")
+        query = torch.randn(rows, Q_HEADS, HEAD_SIZE, device="cuda", dtype=DTYPE)
+        out = torch.empty_like(query)
+        workspace = kt.decode_workspace(kt.TARGET_PROGRAMS, GROUP, HEAD_SIZE, "cuda")
+        buffers = (token_of, head_of, starts, seq_lens, tables)
+        k, v = dense_kv(requests, int(kept.float().mean()))
+        q = query[:requests].unsqueeze(2)
+        return Calls(
+            lambda: kt.paged_attention(query, out, cache, geom, *buffers, SCALE, KV_HEADS, 1, MAX_MODEL_LEN, workspace),
+            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+            2 * sum(lengths) * HEAD_SIZE * ELEMENT,
+            flash_fixed_run(query, cache, geom, buffers, requests),
+        )
+
+    padding = f", padded to {rows}" if rows > requests else ""
+    shape = f"{requests} requests{padding}, kept 768..2304 per head, grid for {MAX_MODEL_LEN}, {physical}"
+    return Case("paged_attention (fixed-shape decode)", shape, "SDPA, dense, the mean length", setup)
+
+
+def flash_fixed_run(query, cache, geom, buffers, requests: int) -> FlashRun | str:
+    """FlashAttention 3 as the engine calls it in a fixed-shape decode step: ``TritonOps.attend`` over the
+    buffers, with the plan ``TritonOps.fixed_decode_plan`` makes; or why it cannot run here."""
+    try:
+        from kvpolicy.vllm.worker.ops.triton import TritonOps
+        from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows
+    except Exception as error:  # a CPU build, no vLLM, or a vLLM that does not load with this torch
+        return f"kvpolicy's vLLM package is not importable: {error}"
+    from tests.kernels.paging import TOLERANCE
+
+    ops = TritonOps()
+    if ops.flash is None:
+        return "vLLM's FlashAttention 3 does not serve this device (kvpolicy logs why)"
+    token_of, head_of, starts, seq_lens, tables = buffers
+    sequences, rows = token_of.numel(), query.shape[0]
+    plan = ops.fixed_decode_plan(sequences, MAX_MODEL_LEN, GROUP, HEAD_SIZE, query.device)
+    batch = AttentionBatch(torch.arange(rows), starts, seq_lens, tables, 1, plan)
+    layer = SimpleNamespace(
+        impl=SimpleNamespace(scale=SCALE, num_kv_heads=KV_HEADS, num_queries_per_kv=GROUP, head_size=HEAD_SIZE)
+    )
+    out = torch.empty_like(query)
+    rows_of = HeadRows(token_of, head_of, whole_batch=True)
+
+    def attend():
+        ops.attend(layer, query, out, cache, batch, rows_of)
+
+    def check() -> tuple[float, bool]:
+        attend()
+        real = slice(0, requests * KV_HEADS)
+        checked = (token_of[real], head_of[real], starts[: requests * KV_HEADS + 1], seq_lens[real], tables[real])
+        want = torch.zeros_like(query)
+        kt.paged_attention_reference(query, want, cache, geom, *checked, SCALE, KV_HEADS)
+        got, expected = out[:requests].float(), want[:requests].float()
+        padded_zero = bool((out[requests:] == 0).all())
+        return float((got - expected).abs().max()), padded_zero and torch.allclose(got, expected, **TOLERANCE[DTYPE])
+
+    return FlashRun(attend, attend, check)
 
 
 def dense_weights(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -358,6 +443,10 @@ CASES = [
     decode_case(16, 16384),
     decode_case(64, 4096),
     decode_case(16, 1024, ragged=True),
+    fixed_decode_case(8, 8),
+    fixed_decode_case(6, 8),
+    fixed_decode_case(16, 16),
+    fixed_decode_case(8, 8, physical="NHD"),
     prefill_case(4096),
     prefill_case(4096, physical="NHD"),
     new_token_weights_case(16, 1024),
@@ -367,6 +456,11 @@ CASES = [
     write_slots_case(64),
     move_case(32768, 2048),
 ]
+
+
+def peak_gbps(device: str) -> int | None:
+    """The HBM peak of a device named ``device`` (``PEAK_GBPS``), None for one not listed."""
+    return next((peak for name, peak in PEAK_GBPS if name in device), None)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -399,6 +493,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     bench_ms = BENCH_MS["quick" if args.quick else "full"]
+    peak = peak_gbps(torch.cuda.get_device_name())
     rows, flash_skipped = [], {}
     for case in tqdm(CASES, desc="kernels"):
         calls = Calls(*case.setup())
@@ -413,18 +508,20 @@ def main() -> int:
             "torch_baseline": case.baseline,
             "speedup": torch_ms / triton_ms,
             "GB/s": gbps,
-            "% peak": 100 * gbps / PEAK_GBPS,
+            "% peak": 100 * gbps / peak if peak else None,
         }
         flash = calls.flash
         if isinstance(flash, FlashRun):
             try:
                 max_error, ok = flash.check()
+                kernel_ms = do_bench(flash.kernel, rep=bench_ms, return_mode="median")
                 row.update(
                     fa3_ms=do_bench(flash.attend, rep=bench_ms, return_mode="median"),
-                    fa3_kernel_ms=do_bench(flash.kernel, rep=bench_ms, return_mode="median"),
+                    fa3_kernel_ms=kernel_ms,
                     fa3_ok=ok,
                     fa3_max_error=max_error,
                 )
+                row["fa3_% peak"] = 100 * calls.cache_bytes / kernel_ms / 1e6 / peak if peak else None
             except RuntimeError as error:  # FlashAttention's own argument checks refusing the call
                 flash = f"the call failed: {error}"
         if isinstance(flash, str):
@@ -440,7 +537,8 @@ def main() -> int:
         head_size=HEAD_SIZE,
         block_size=BLOCK_SIZE,
         dtype="bfloat16",
-        peak_gbps=PEAK_GBPS,
+        peak_gbps=peak,
+        max_model_len=MAX_MODEL_LEN,
         fa3_checked_tokens_per_end=CHECKED_TOKENS,
         fa3_skipped=flash_skipped,
     )

@@ -1,11 +1,17 @@
 """The CUDA backend: vLLM's Triton attention plus kvpolicy's step, registered over ``TRITON_ATTN``.
 
 Sibling of ``cpu_backend.py``: stock rows and steps with no kvpolicy work run vLLM's own Triton attention
-(``super()``); per-head and selection rows run kvpolicy's Triton kernels through the builder's ``TritonOps``.
+(``super()``); per-head and selection rows run kvpolicy's Triton kernels through the builder's ``TritonOps``,
+whose attention calls vLLM's FlashAttention 3 in fp16/bf16 on compute capability 9.x (``ops/flash_varlen.py``).
 For a policy whose decode has no host work after attention (the SnapKV family, streaming, identity) the builder
 reports full CUDA-graph support and decode runs in fixed shapes (``modes/fixed_decode.py``); for the others it
 reports none, and vLLM keeps piecewise graphs around eager attention (``--enforce-eager`` is never needed).
 With ``--kv-policy none`` the backend is vLLM's, graphs included.
+
+kvpolicy runs on vLLM's V1 model runner (``startup/args.py``), not the V2 one plain vLLM picks on CUDA: the worker
+reads the V1 runner's requests, input batch and KV caches, and wraps its CUDA-graph dispatcher; V2 keeps them in
+other structures (``vllm/v1/worker/gpu/``). What V1 costs plain vLLM is measured beside it in the GPU window
+(``benchmarks/gpu/throughput_sweep.py``: the ``vllm-v1`` row at the same batch as ``vllm-default``).
 """
 
 from __future__ import annotations
