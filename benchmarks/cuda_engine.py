@@ -178,6 +178,11 @@ def run(args) -> None:
     jobs = {name: [*cfg, *COMMON, *(GPU_SHARE if on_cuda else [])] for name, cfg in CONFIGS.items()}
     if on_cuda:
         jobs |= {name: [*args, *COMMON, *GPU_SHARE] for name, args in CUDA_CONFIGS.items()}
+    if args.only:
+        unknown = set(args.only) - set(jobs)
+        if unknown:
+            raise SystemExit(f"no config {sorted(unknown)} on this platform; configs: {sorted(jobs)}")
+        jobs = {name: cfg for name, cfg in jobs.items() if name in args.only}
     payload = {
         **provenance(sys.argv),
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",
@@ -200,7 +205,7 @@ def run(args) -> None:
             write_json(Path(args.out), payload)  # what finished survives a run cut short
             tqdm.write(f"{name:24s} rc={record['rc']} {record['wall_s']:6.1f}s {record.get('error_tail', '')[-400:]}")
             bar.update()
-    if on_cuda:
+    if on_cuda and not args.only:
         payload["server"] = check_server(model)
         write_json(Path(args.out), payload)
         print(json.dumps(payload["server"], indent=1))
@@ -278,6 +283,7 @@ def main() -> None:
     run_parser = sub.add_parser("run", help="every config on this machine's platform")
     run_parser.add_argument("--out", required=True)
     run_parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="engines at once")
+    run_parser.add_argument("--only", nargs="+", default=None, help="these configs, without the server check")
     compare_parser = sub.add_parser("compare", help="the CUDA run against the CPU run")
     compare_parser.add_argument("gpu")
     compare_parser.add_argument("cpu")

@@ -1,37 +1,39 @@
 #!/usr/bin/env bash
-# One GPU window in two commands (at most 10 minutes each; this script plans for 9, then 3), every step under
-# its own timeout:
+# One GPU window in one command (at most 10 minutes; this script plans for 9), every step under its own timeout,
+# the decisive rows first:
 #   0. unpack vLLM's offline bundle (when parts are present), install kvpolicy offline, write env.txt
-#   1. benchmarks/cuda_engine.py run: every policy on CUDA, compared here later with the committed CPU run
-#   2. benchmarks/gpu/throughput_sweep.py run: kvpolicy against plain vLLM with `vllm bench throughput`
-#   3. benchmarks/gpu_kernels.py --quick, if the time left allows it
-#   4. (the next command, `--steps 4`, on the still-warm machine) throughput_sweep.py run --preset offload:
-#      OmniKV's host tier at 32K tokens against plain vLLM in a pool that holds 2 such requests
-# At most 8 files land in $OUT (default ./gpu-out): env.txt, logs.tar.gz, cuda_engine_gpu_run.json,
-# throughput_sweep.json, gpu_offload.json, gpu_kernels.json/.png (tables and plots are drawn here from the
-# JSON: throughput_sweep.py report). Each is rewritten as its step goes, so a command cut short still returns
-# what finished. Every engine runs with VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM 0.32's sampler imports FlashInfer
-# otherwise, which the bundle leaves out).
+#   1. benchmarks/gpu/throughput_sweep.py run, the window's rows (throughput_sweep.WINDOW): adasnap and plain vLLM
+#      on the tight pool, both at one batch of 8, plain vLLM on the V1 model runner at that batch
+#   then, as time allows:
+#   2. benchmarks/gpu_kernels.py --quick (GPU only)
+#   3. throughput_sweep.py run --preset offload: OmniKV's host tier at 32K tokens (its row only; profiled)
+#   4. benchmarks/cuda_engine.py run --only pod: PoD once in the CUDA engine
+#   5. (not by default) benchmarks/cuda_engine.py run: every policy on CUDA against the committed CPU run
+# Every file lands in $OUT (default ./gpu-out), each rewritten as its step goes, so a command cut short still
+# returns what finished: env.txt, logs.tar.gz, throughput_sweep.json, gpu_kernels.json/.png, gpu_offload.json,
+# gpu_pod.json (cuda_engine_gpu_run.json with step 5). Every engine runs with VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM
+# 0.32's sampler imports FlashInfer otherwise, which the bundle leaves out) and shares one vLLM compile cache and
+# one Triton cache under /tmp (kept between commands on a warm machine).
 #
 #   benchmarks/gpu/run.sh --prepare    # here, before the window: the wheel and tokenizer to carry (.cache/gpu)
 #   benchmarks/gpu/run.sh              # on the GPU machine
-#   benchmarks/gpu/run.sh --tiny       # the CPU rehearsal: tiny model, no nvidia-smi, no kernels step
-#   benchmarks/gpu/run.sh --steps "0 2"   # only these steps
-#   benchmarks/gpu/run.sh --steps "0 2" --resume   # a later window: the sweep's rows not in .cache/gpu/throughput_sweep.json
-#   benchmarks/gpu/run.sh --steps 4    # right after, on the warm machine (its /tmp keeps what step 0 installed)
-# Budget (seconds, GPU): step 0 up to 120, step 1 up to 150, step 3 keeps 60, step 2 gets the rest of TOTAL_S=540;
-# step 4 alone TOTAL_S=175.
+#   benchmarks/gpu/run.sh --tiny       # the CPU rehearsal of the same steps: tiny model, kvpolicy's Triton ops
+#                                      # interpreted with fixed-shape decode (make gpu-rehearsal checks its JSON)
+#   benchmarks/gpu/run.sh --steps "0 1"   # only these steps
+#   benchmarks/gpu/run.sh --steps "0 1" --resume   # a later window: the sweep's rows not in .cache/gpu/throughput_sweep.json
+# Budget (seconds): TOTAL_S=540 from the start; step 0 up to 150 + 60 + 120; the sweep's rows start while 60 s are
+# left for a row (throughput_sweep.PRESETS min_run_s); the later steps take what is left.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 
-TINY=0 PREPARE=0 RESUME=0 STEPS="0 1 2 3"
+TINY=0 PREPARE=0 RESUME=0 STEPS="0 1 2 3 4"
 while (($#)); do
   case $1 in
     --tiny) TINY=1 ;;
     --prepare) PREPARE=1 ;;
     --resume) RESUME=1 ;;
     --steps) STEPS=$2; shift ;;
-    *) echo "usage: $0 [--tiny] [--prepare] [--resume] [--steps \"0 1 2 3\"]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--tiny] [--prepare] [--resume] [--steps \"0 1 2 3 4\"]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -66,13 +68,14 @@ LOGS=$WORK/logs
 rm -rf "$WORK"
 mkdir -p "$OUT" "$LOGS"
 ENV_FILE=$OUT/env.txt
-if [[ $STEPS == 4 ]]; then DEFAULT_S=$( ((TINY)) && echo 600 || echo 175); else DEFAULT_S=$( ((TINY)) && echo 900 || echo 540); fi
-TOTAL_S=${TOTAL_S:-$DEFAULT_S}
+# The rehearsal's limit is a ceiling for a shared 2-core machine (other engines slow its rows several times), not a plan.
+TOTAL_S=${TOTAL_S:-$( ((TINY)) && echo 900 || echo 540)}
 START=$(date +%s)
 DEADLINE=$((START + TOTAL_S))
 export PYTHONPATH=$PLUGIN:$SITE${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/kvpolicy-gpu-vllm-cache} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kvpolicy-gpu-triton-cache}
 
 now() { echo $(($(date +%s) - START)); }
 left() { echo $((DEADLINE - $(date +%s))); }
@@ -148,42 +151,48 @@ EOF
   cat "$LOGS/versions.log" >> "$ENV_FILE"
 fi
 
+SWEEP=(benchmarks/gpu/throughput_sweep.py run $( ((TINY)) && echo --tiny))
 if wants 1; then
-  ((TINY)) && ENGINES=cuda_engine_cpu_run.json || ENGINES=cuda_engine_gpu_run.json
-  step cuda_engine $( ((TINY)) && echo 120 || echo 150) "$PY" benchmarks/cuda_engine.py run --out "$OUT/$ENGINES"
-fi
-
-if wants 2; then
   ((TINY)) || { echo "--- GPU memory before the sweep"; nvidia-smi --query-gpu=memory.used,memory.total --format=csv; } >> "$ENV_FILE" 2>&1
-  KEEP=$( ((TINY)) || ! wants 3 && echo 15 || echo 75)  # seconds left for step 3 and packing
-  SWEEP_S=$(($(left) - KEEP))
   RESUMED=()
   if ((RESUME)) && cp "$CARRY/throughput_sweep.json" "$OUT/throughput_sweep.json"; then
     RESUMED=(--resume)
     note "sweep: resuming the rows of $CARRY/throughput_sweep.json"
   fi
-  step sweep $((SWEEP_S + 30)) "$PY" benchmarks/gpu/throughput_sweep.py run $( ((TINY)) && echo --tiny) \
-    --out "$OUT/throughput_sweep.json" --work "$WORK/sweep" --deadline-s "$SWEEP_S" "${RESUMED[@]}"
+  WINDOW_ROWS=$("$PY" -c 'from benchmarks.gpu.throughput_sweep import WINDOW; print(" ".join(f"{c}.{p}" for c, p in WINDOW))')
+  step sweep $(($(left) - 10)) "$PY" "${SWEEP[@]}" --out "$OUT/throughput_sweep.json" --work "$WORK/sweep" \
+    --deadline-s $(($(left) - 20)) --only $WINDOW_ROWS "${RESUMED[@]}"
   rc=$?
-  tr '\r' '\n' < "$LOGS/sweep.log" | grep -oE "^ *(vllm-default|vllm-triton-v1|none|adasnap|adamix) +(tight|batch8|middle|loose) .*"
+  tr '\r' '\n' < "$LOGS/sweep.log" | grep -oE "^ *(vllm-default|vllm-v1|adasnap) +(tight|batch8) .*"
   # The table and plot stay in the work folder (in logs.tar.gz): drawn again here from the JSON.
   mv "$OUT/throughput_sweep.md" "$OUT/throughput_sweep.png" "$WORK/" 2>/dev/null
   ((rc)) && note "sweep: rc=$rc; its JSON keeps the rows that finished"
 fi
 
-if wants 4; then
-  step offload $(($(left) - 10)) "$PY" benchmarks/gpu/throughput_sweep.py run --preset offload $( ((TINY)) && echo --tiny) \
-    --out "$OUT/gpu_offload.json" --work "$WORK/offload" --deadline-s $(($(left) - 20))
-  mv "$OUT/gpu_offload.md" "$OUT/gpu_offload.png" "$WORK/" 2>/dev/null
-fi
-
-if wants 3 && ((!TINY)); then
-  if (($(left) >= 45)); then
+if wants 2; then
+  if ((TINY)); then
+    note "step gpu_kernels: skipped, no GPU (the rehearsal)"
+  elif (($(left) >= 45)); then
     step gpu_kernels $(($(left) - 10)) "$PY" benchmarks/gpu_kernels.py --quick --out "$WORK/gpu_kernels.json"
     cp "$WORK/gpu_kernels.json" "$WORK/gpu_kernels.png" "$OUT/" 2>/dev/null
   else
     note "step gpu_kernels: skipped, $(left) s left"
   fi
+fi
+
+if wants 3; then
+  step offload $(($(left) - 10)) "$PY" "${SWEEP[@]}" --preset offload --only omnikv-offload.pool2 \
+    --out "$OUT/gpu_offload.json" --work "$WORK/offload" --deadline-s $(($(left) - 20))
+  mv "$OUT/gpu_offload.md" "$OUT/gpu_offload.png" "$WORK/" 2>/dev/null
+fi
+
+if wants 4; then
+  step pod $(($(left) - 5)) "$PY" benchmarks/cuda_engine.py run --only pod --out "$OUT/gpu_pod.json"
+fi
+
+if wants 5; then
+  ((TINY)) && ENGINES=cuda_engine_cpu_run.json || ENGINES=cuda_engine_gpu_run.json
+  step cuda_engine $(($(left) - 5)) "$PY" benchmarks/cuda_engine.py run --out "$OUT/$ENGINES"
 fi
 
 note "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,65 +1,17 @@
-"""kvpolicy against plain vLLM with vLLM's own `vllm bench throughput`, over a tight, a middle and a loose KV pool.
+"""kvpolicy against plain vLLM with vLLM's own `vllm bench throughput`, over a tight, a same-batch and a loose KV pool.
 
     python benchmarks/gpu/throughput_sweep.py prepare           # here: the tokenizer that travels (.cache/gpu/tokenizer)
     python benchmarks/gpu/throughput_sweep.py run --out X.json  # on a GPU: Llama-3.1-8B's shape, random weights
     python benchmarks/gpu/throughput_sweep.py run --tiny        # the CPU rehearsal: a 2-layer Llama, short requests
     python benchmarks/gpu/throughput_sweep.py report X.json     # the table and plot again from a results JSON
+    python benchmarks/gpu/throughput_sweep.py check X.json ...  # whether every row finished and filled WINDOW_FIELDS
 
-Every row is one `vllm bench throughput` (random dataset, EOS ignored, no
-detokenizing) in its own process, on a model folder holding only a
-``config.json`` of the preset's shape and SmolLM2's tokenizer, weights drawn
-by ``--load-format dummy``. The random dataset draws prompt ids from the
-tokenizer's vocabulary (49,152) and hands vLLM text that the same tokenizer
-encodes again, so prompts stay inside the model's 128,256 embeddings;
-sampled ids may not, hence ``--disable-detokenize``. ``--kv-cache-memory-bytes``
-fixes the pool at a number of whole requests (input + output tokens): tight,
-full-cache vLLM runs few requests at once; loose, all of them fit.
-
-The tokens/s are vLLM's bench's own (its ``Throughput:`` line and
-``--output-json``). The bench runs in-process from this script so that the
-``LLM`` it builds can also be read: ``LLM.from_engine_args`` is wrapped to
-serve a short untimed warm-up (two prompts of the input length, 16 tokens:
-Triton compiles its kernels for these shapes there, not inside the timed
-run), to read ``LLM.get_metrics()`` before and after the timed run
-(preemptions, kvpolicy's released blocks and kept tokens), and to sample
-``vllm:num_requests_running`` every 100 ms while it runs (peak and mean).
-
-Configs, in ``CONFIGS``: plain vLLM with its defaults (on CUDA: FlashAttention
-3, the V2 model runner, the asynchronous scheduler; on CPU: the CPU's own
-defaults, which already are CPU attention, V1 and synchronous); plain vLLM
-the way kvpolicy runs it (Triton attention, V1 runner; the asynchronous
-scheduler, which kvpolicy keeps); and ``--kv-policy none``, ``adasnap`` and
-``adamix`` at a budget. Rows run in ``ORDER``: adasnap against plain vLLM on
-the tight pool, then both at one batch of 8 (``batch8``: the pool fits 8 and
-every config runs at most 8), where the time per output token compares their
-decode steps directly; then plain vLLM as kvpolicy runs it; each under its own
-timeout; the JSON, table and plot are rewritten after every row, so a sweep
-cut short keeps what finished, and ``--resume`` skips the rows a results file
-already holds. Every row sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` (vLLM's
-sampler imports FlashInfer otherwise, and the bundle leaves it out). Per row,
-``step_ms`` is the mean of vLLM's own inter-token latency histogram over the
-timed run (each request's time between two output tokens: a decode step, and
-the prefills it waited behind). The rows in ``DIAGNOSED`` also carry
-kvpolicy's diagnostics (``kvpolicy/vllm/worker/diagnostics.py``): the host
-synchronisations inside its calls, and a profile of 20 decode steps.
-
-Compilation (the same for every config, so rows compare like with like):
-vLLM's default, ``-O2``: torch.compile plus CUDA graphs, as users run it
-(FULL_AND_PIECEWISE for plain vLLM; kvpolicy's backend keeps attention out
-of the graphs, piecewise). ``--max-num-seqs 32`` (no pool runs more than 32
-prompts) caps the graph capture at 64 tokens instead of 512, so capture
-takes seconds; the same value for every row keeps vLLM's compile cache
-(keyed by the config, not the pool size) valid across pools. ``--tiny`` runs
-``-O0`` with the engine core in the bench's process instead: on the 2-core
-CPU a compile costs 20 s per config and the two extra processes 40 s per
-engine, and the rehearsal checks the pipeline, not speed.
-
-Time on one H100 (estimates, never measured; how they were made is in
-benchmarks/gpu/README.md): an engine starts in about 50 s the first time a
-config runs (imports, 16 GB of random weights, torch.compile, graph
-capture) and in about 25 s for its next pool (compile cache); a row runs
-16-30 s (1,024 decode steps per wave of requests at 6-12 ms a step, plus
-0.12 s per 4,096-token prefill). The first four rows take about 4 minutes.
+Each row is one `vllm bench throughput` in its own process group under its own timeout (random dataset, dummy
+weights of a ``config.json`` made here, ``--kv-cache-memory-bytes`` holding a whole number of requests), the bench's
+``LLM`` wrapped to serve an untimed warm-up, then to count in its worker what the timed run did (``watch_worker``:
+steps by CUDA graph mode, Triton compilations, host synchronisations) and sample its running requests and stalls.
+``WINDOW`` is the GPU window's rows in order (``run.sh``); the JSON is rewritten as each row ends, and a row that
+fails stops its config's later rows. Method, configs, fields and timings: benchmarks/gpu/README.md.
 """
 
 from __future__ import annotations
@@ -76,6 +28,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+STARTED = time.perf_counter()
 
 ROOT = Path(__file__).resolve().parents[2]
 # Appended, not prepended: an installed kvpolicy (the one vLLM's plugin entry point names) wins over the tree.
@@ -153,34 +107,40 @@ PRESETS = {
         "budget": 1024,
         "pools": {
             "tight": {"fits": 4, "prompts": 16},
-            # Every config runs 8 at once here: the per-step cost side by side.
-            "batch8": {"fits": 8, "prompts": 16, "max_num_seqs": 8},
+            # 8 prompts in a pool that fits 8 whole: every config runs the same 8 at once, one wave, so the time
+            # per output token compares decode steps side by side.
+            "batch8": {"fits": 8, "prompts": 8},
             "middle": {"fits": 12, "prompts": 32},
             "loose": {"fits": 34, "prompts": 32},
         },
         "block_size": 16,
-        "engine_args": ["--max-num-seqs", "32"],
-        # vLLM 0.32's sampler imports FlashInfer otherwise, which the bundle leaves out.
-        "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
-        "run_timeout_s": 180,
-        "min_run_s": 75,
+        # One engine configuration for every pool (vLLM's compile cache is keyed by it), and graphs captured at
+        # the batch sizes the rows run only (16 at most).
+        "engine_args": ["--max-num-seqs", "16", "--cudagraph-capture-sizes", "1", "2", "4", "8", "16"],
+        # vLLM 0.32's sampler imports FlashInfer otherwise, which the bundle leaves out; the probe's counters are
+        # functions sent to the engine's worker process (``LLM.collective_rpc``), which vLLM pickles only so.
+        "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+        "run_timeout_s": 150,
+        "min_run_s": 60,
     },
     "tiny": {
         "shape": "tiny-llama",
-        "input_len": 512,
-        "output_len": 64,
+        "input_len": 256,
+        "output_len": 8,
         "budget": 128,
         "pools": {
-            "tight": {"fits": 4, "prompts": 12},
-            "batch8": {"fits": 8, "prompts": 16, "max_num_seqs": 8},
-            "middle": {"fits": 8, "prompts": 16},
-            "loose": {"fits": 20, "prompts": 16},
+            "tight": {"fits": 2, "prompts": 4},
+            "batch8": {"fits": 4, "prompts": 4},
+            "middle": {"fits": 4, "prompts": 8},
+            "loose": {"fits": 8, "prompts": 8},
         },
         "block_size": 128,
-        "engine_args": ["--max-num-seqs", "32", "-O0"],
+        "engine_args": ["--max-num-seqs", "8", "-O0"],
+        # Nothing compiles in Triton's interpreter: the warm-up only runs the path once before the timed run.
+        "warmup": {"prompts": 2, "output_len": 2},
         "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        "run_timeout_s": 120,
-        "min_run_s": 30,
+        "run_timeout_s": 240,
+        "min_run_s": 20,
     },
 }
 #: OmniKV's host tier at 32K tokens (issue: requests running at once against plain vLLM in a pool that holds 2,
@@ -199,51 +159,81 @@ PRESETS["offload"] = {
 PRESETS["offload-tiny"] = {
     **PRESETS["tiny"],
     "shape": "tiny-llama-4",
-    "input_len": 2048,
-    "output_len": 32,
+    "input_len": 1024,
+    "output_len": 8,
     "budget": 256,
     "offload_gib": 1,
     "omnikv_args": ["--kv-filter-layers", "1", "--kv-dense-layers", "1"],
-    "pools": {"pool2": {"fits": 2, "prompts": 6}},
+    "pools": {"pool2": {"fits": 2, "prompts": 4}},
     "order": [("omnikv-offload", "pool2"), ("vllm-default", "pool2")],
 }
-#: ``cuda_args`` are left out on vLLM's CPU platform (it has one attention backend).
+#: Every row, on both platforms: vLLM's asynchronous scheduler (its CUDA default; the CPU's is synchronous).
+WINDOW_ARGS = ["--async-scheduling"]
+#: kvpolicy on CUDA: vLLM's LBHNC cache layout, where a one-head page's FlashAttention id is kvpolicy's own
+#: (``FlashPages.same_ids``), so the fixed-shape decode graphs hand FlashAttention their page tables as they are.
+KVPOLICY_CUDA_ENV = {"VLLM_KV_CACHE_LAYOUT": "LBHNC"}
+#: kvpolicy on CPU, the window's path rehearsed (``cpu_ops``): its Triton ops in Triton's interpreter, with
+#: ``fixed`` decode batches in the fixed shapes of the full CUDA graphs a GPU replays, as the engine tests run
+#: them (``tests/e2e/engine_run.py``: ``run_the_gpu_ops_on_cpu``).
+KVPOLICY_CPU_ENV = {"TRITON_INTERPRET": "1"}
+#: ``cuda_args``/``cuda_env`` apply on CUDA only, ``cpu_args``/``cpu_env``/``cpu_ops`` on vLLM's CPU platform (one
+#: attention backend, the V1 runner only; the model-wide page pool is its default and CUDA's refusal).
 CONFIGS = {
-    "vllm-default": {"label": "plain vLLM, its defaults", "args": [], "cuda_args": [], "env": {}},
+    "vllm-default": {"label": "plain vLLM, its defaults", "args": []},
+    "vllm-v1": {
+        "label": "plain vLLM on the V1 model runner kvpolicy runs on (FlashAttention 3, asynchronous scheduler)",
+        "args": [],
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    },
     "vllm-triton-v1": {
-        "label": "plain vLLM as kvpolicy runs it (Triton attention, V1 model runner)",
+        "label": "plain vLLM with Triton attention on the V1 model runner",
         "args": [],
         "cuda_args": ["--attention-backend", "TRITON_ATTN"],
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     },
-    "none": {"label": "--kv-policy none", "args": ["--kv-policy", "none"], "cuda_args": [], "env": {}},
+    "none": {
+        "label": "--kv-policy none",
+        "args": ["--kv-policy", "none"],
+        "cuda_env": KVPOLICY_CUDA_ENV,
+        "cpu_env": KVPOLICY_CPU_ENV,
+        "cpu_ops": "triton",
+    },
     "adasnap": {
         "label": "--kv-policy adasnap",
         "args": ["--kv-policy", "adasnap", "--kv-budget", "{budget}"],
-        "cuda_args": [],
-        "env": {},
+        "cuda_env": KVPOLICY_CUDA_ENV,
+        "cpu_args": ["--kv-page-pool", "layer"],
+        "cpu_env": KVPOLICY_CPU_ENV,
+        "cpu_ops": "fixed",
     },
     "adamix": {
         "label": "--kv-policy adamix",
         "args": ["--kv-policy", "adamix", "--kv-budget", "{budget}"],
-        "cuda_args": [],
-        "env": {},
+        "cuda_env": KVPOLICY_CUDA_ENV,
+        "cpu_args": ["--kv-page-pool", "layer"],
+        "cpu_env": KVPOLICY_CPU_ENV,
+        "cpu_ops": "fixed",
     },
     "omnikv-offload": {
         "label": "--kv-policy omnikv --kv-offload (sparse layers in a pinned host pool)",
         "args": ["--kv-policy", "omnikv", "--kv-budget", "{budget}", "--kv-offload", "{offload_gib}", "{omnikv_args}"],
-        "cuda_args": [],
-        "env": {},
+        "cpu_env": KVPOLICY_CPU_ENV,
+        "cpu_ops": "triton",
     },
 }
-BASELINES = {"vs_vllm_default": "vllm-default", "vs_vllm_triton_v1": "vllm-triton-v1"}
-#: Most important first: what a user compares (the tight pool), the per-step cost at one batch, what the V1
-#: runner and Triton attention cost plain vLLM, then the loose and middle pools.
-ORDER = [
+BASELINES = {"vs_vllm_default": "vllm-default", "vs_vllm_v1": "vllm-v1"}
+#: The GPU window's rows (``run.sh``), in order: what a user compares (the tight pool), the decode step at one
+#: batch, what the V1 model runner kvpolicy runs on costs plain vLLM at that batch.
+WINDOW = [
     ("adasnap", "tight"),
     ("vllm-default", "tight"),
     ("adasnap", "batch8"),
     ("vllm-default", "batch8"),
+    ("vllm-v1", "batch8"),
+]
+#: Every row, most important first: the window's, then Triton attention, the loose and middle pools.
+ORDER = [
+    *WINDOW,
     ("vllm-triton-v1", "tight"),
     ("vllm-triton-v1", "batch8"),
     ("adasnap", "loose"),
@@ -260,9 +250,13 @@ ORDER = [
     ("none", "middle"),
 ]
 #: Rows that also record kvpolicy's diagnostics (``KVPOLICY_DIAGNOSE``: host synchronisations inside its
-#: calls, a profile of 20 decode steps), read into the row.
-DIAGNOSED = {("adasnap", "tight"), ("omnikv-offload", "pool2")}
+#: calls, a profile of 20 decode steps), read into the row. Not a window row: the profiler starts and stops
+#: inside a step of the timed run (``stall_s`` records what it cost there).
+DIAGNOSED = {("omnikv-offload", "pool2")}
 WARMUP = {"prompts": 2, "output_len": 16}
+GENERATED = "vllm:generation_tokens"
+#: ``host_syncs`` on vLLM's CPU platform: nothing runs apart from the host to wait for.
+NO_DEVICE = "none: no device"
 SAMPLE_EVERY_S = 0.1
 THROUGHPUT_LINE = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
 #: Log lines that say what vLLM actually ran (backend, runner, scheduler, graphs, start-up time).
@@ -285,8 +279,16 @@ COLUMNS = [
     "preemptions",
     "released_blocks_per_request",
     "kept_fraction",
+    "async",
+    "full_graph_steps",
+    "piecewise_steps",
+    "eager_steps",
+    "fixed_steps",
+    "triton_compiles",
+    "host_syncs",
+    "stall_s",
+    "engine_start_s",
     "engine_s",
-    "syncs",
     "status",
 ]
 
@@ -379,30 +381,129 @@ def bench_args(preset: dict, config: dict, pool: str, model: Path, output_json: 
             args += preset.get("omnikv_args", [])
         else:
             args.append(arg.format(budget=budget, offload_gib=preset.get("offload_gib")))
-    if on_cuda:
-        args += config["cuda_args"]
-    return args
+    return args + WINDOW_ARGS + config.get("cuda_args" if on_cuda else "cpu_args", [])
+
+
+def row_env(preset: dict, config: dict, on_cuda: bool) -> dict:
+    """The environment a row's process adds: the preset's, the config's, and the config's for this platform."""
+    return {**preset["env"], **config.get("env", {}), **config.get("cuda_env" if on_cuda else "cpu_env", {})}
+
+
+def watch_worker(worker) -> str:
+    """Sent to each worker after the warm-up (``LLM.collective_rpc``): from then on, count its steps by the CUDA
+    graph mode vLLM ran them in (the last one its dispatcher chose in the step: FULL, PIECEWISE, or NONE), the
+    Triton kernels it compiles (``triton.knobs.runtime.jit_post_compile_hook``, chained to vLLM's JIT monitor),
+    and, on CUDA, every host synchronisation any code of the process makes (torch's sync debug mode, each
+    warning counted where it was raised instead of printed). ``read_watch`` reads them."""
+    import warnings
+    from collections import Counter
+
+    import torch
+
+    worker = getattr(worker, "worker", worker)
+    runner = worker.model_runner
+    seen = {"steps": Counter(), "compiled": Counter(), "syncs": Counter(), "mode": "NONE"}
+    seen["fixed"] = fixed_decode_steps(worker)
+    worker.sweep_watch = seen
+    run_step = runner.execute_model
+
+    def step(*args, **kwargs):
+        seen["mode"] = "NONE"
+        try:
+            return run_step(*args, **kwargs)
+        finally:
+            seen["steps"][seen["mode"]] += 1
+
+    runner.execute_model = step
+    v1, v2 = getattr(runner, "cudagraph_dispatcher", None), getattr(runner, "cudagraph_manager", None)
+    if v1 is not None:
+        dispatch_v1 = v1.dispatch
+
+        def dispatched_v1(*args, **kwargs):
+            mode, descriptor = dispatch_v1(*args, **kwargs)
+            seen["mode"] = mode.name
+            return mode, descriptor
+
+        v1.dispatch = dispatched_v1
+    elif v2 is not None:
+        dispatch_v2 = v2.dispatch
+
+        def dispatched_v2(*args, **kwargs):
+            descriptor = dispatch_v2(*args, **kwargs)
+            seen["mode"] = descriptor.cg_mode.name
+            return descriptor
+
+        v2.dispatch = dispatched_v2
+    try:
+        from triton import knobs
+    except ImportError:
+        seen["compiled"]["(no triton)"] = 0
+    else:
+        chained = knobs.runtime.jit_post_compile_hook
+
+        def compiled(**kwargs):
+            seen["compiled"][getattr(kwargs.get("fn"), "name", "?")] += 1
+            return chained(**kwargs) if chained is not None else None
+
+        knobs.runtime.jit_post_compile_hook = compiled
+    if torch.cuda.is_available():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message).lower():
+                seen["syncs"][f"{filename.rsplit('/', 2)[-1] if filename else '?'}:{lineno}"] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.filterwarnings("always", message=".*[Ss]ynchroniz")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def read_watch(worker) -> dict:
+    """What ``watch_worker`` counted in a worker since, and its decode steps built in the fixed shapes of full CUDA
+    graphs by padded batch size (None: the policy's decode does not run in them, or no kvpolicy)."""
+    import torch
+
+    worker = getattr(worker, "worker", worker)
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("default")
+    seen = worker.sweep_watch
+    fixed, before = fixed_decode_steps(worker), seen["fixed"] or {}
+    return {
+        "graph_steps": dict(seen["steps"]),
+        "triton_compiles": dict(seen["compiled"]),
+        "host_syncs": dict(seen["syncs"]) if torch.cuda.is_available() else NO_DEVICE,
+        "fixed_decode_steps": None if fixed is None else {rows: n - before.get(rows, 0) for rows, n in fixed.items()},
+    }
 
 
 def fixed_decode_steps(worker) -> dict | None:
-    """A worker's decode steps built in the fixed shapes of full CUDA graphs, by padded batch size (None:
-    the policy's decode does not run in them); read through ``LLM.collective_rpc``."""
-    state = getattr(getattr(worker, "worker", worker), "kvpolicy", None)
-    fixed = getattr(getattr(state, "mode", None), "fixed", None)
+    """A worker's decode steps built in the fixed shapes of full CUDA graphs so far, by padded batch size (None:
+    the policy's decode does not run in them, or no kvpolicy)."""
+    fixed = getattr(getattr(getattr(worker, "kvpolicy", None), "mode", None), "fixed", None)
     return None if fixed is None else {int(rows): count for rows, count in fixed.steps.items()}
 
 
 class RunningSampler(threading.Thread):
-    """Samples ``vllm:num_requests_running`` every ``SAMPLE_EVERY_S`` while the timed run goes on."""
+    """Samples ``vllm:num_requests_running`` every ``SAMPLE_EVERY_S`` while the timed run goes on, and the longest
+    time requests ran without an output token (``stall_s``: a step that compiled, profiled or waited)."""
 
     def __init__(self, llm):
         super().__init__(daemon=True)
         self.llm, self.samples, self.read_s, self.done = llm, [], 0.0, threading.Event()
+        self.stall_s, self._tokens, self._since = 0.0, None, None
 
     def run(self) -> None:
         while not self.done.wait(SAMPLE_EVERY_S):
             start = time.perf_counter()
-            self.samples.append(metric_total(self.llm.get_metrics(), "vllm:num_requests_running"))
+            metrics = self.llm.get_metrics()
+            running, tokens = (metric_total(metrics, name) for name in ("vllm:num_requests_running", GENERATED))
+            self.samples.append(running)
+            if tokens != self._tokens or not running:
+                self._tokens, self._since = tokens, start
+            self.stall_s = max(self.stall_s, start - self._since)
             self.read_s += time.perf_counter() - start
 
 
@@ -425,9 +526,11 @@ class Probe:
     #: Each request's time between two output tokens (vLLM's own histogram).
     INTER_TOKEN = "vllm:inter_token_latency_seconds"
 
-    def __init__(self, input_len: int):
+    def __init__(self, input_len: int, started: float, warmup: dict):
         self.input_len, self.llm, self.sampler, self.before = input_len, None, None, {}
-        self.warmup_s = 0.0
+        self.warmup = warmup
+        self.warmup_s, self.started, self.engine_start_s = 0.0, started, None
+        self.watching = None
         self.inter_token_before = (0, 0.0)
 
     def attach(self, llm) -> None:
@@ -436,17 +539,22 @@ class Probe:
         from vllm.inputs import TokensPrompt
 
         self.llm = llm
+        # From this process's start to the engine built: imports, weights, compilation, graph capture.
+        self.engine_start_s = time.perf_counter() - self.started
         vocab = llm.get_tokenizer().vocab_size
         rng = np.random.default_rng(1)
         prompts = [
             TokensPrompt(prompt_token_ids=rng.integers(100, vocab, self.input_len).tolist())
-            for _ in range(WARMUP["prompts"])
+            for _ in range(self.warmup["prompts"])
         ]
         start = time.perf_counter()
         llm.generate(
-            prompts, SamplingParams(max_tokens=WARMUP["output_len"], ignore_eos=True, detokenize=False), use_tqdm=False
+            prompts,
+            SamplingParams(max_tokens=self.warmup["output_len"], ignore_eos=True, detokenize=False),
+            use_tqdm=False,
         )
         self.warmup_s = time.perf_counter() - start
+        self.watching = llm.collective_rpc(watch_worker)
         metrics = llm.get_metrics()
         self.before = {name: metric_total(metrics, name) for name in self.COUNTERS}
         self.inter_token_before = self._inter_token(metrics)
@@ -470,9 +578,9 @@ class Probe:
         samples = [n for n in self.sampler.samples if n] or [0.0]
         count, total = (now - before for now, before in zip(self._inter_token(metrics), self.inter_token_before))
         try:
-            fixed = self.llm.collective_rpc(fixed_decode_steps)[0]
+            watched = self.llm.collective_rpc(read_watch)[0]
         except Exception as error:  # a report of the run, not a reason to lose it
-            fixed = f"not read: {error!r}"
+            watched = {"error": f"not read: {error!r}"}
         return {
             "step_ms": 1000 * total / count if count else None,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -483,7 +591,10 @@ class Probe:
             "sample_read_ms": 1000 * self.sampler.read_s / max(len(self.sampler.samples), 1),
             "counters": delta,
             "pool_empty_after": metric_total(metrics, "vllm:kv_cache_usage_perc") == 0.0,
-            "fixed_decode_steps": fixed,
+            "stall_s": round(self.sampler.stall_s, 2),
+            "engine_start_s": round(self.engine_start_s, 1),
+            "watched_on": self.watching,
+            **watched,
             "engine": {
                 "block_size": config.cache_config.block_size,
                 "num_gpu_blocks": config.cache_config.num_gpu_blocks,
@@ -500,12 +611,23 @@ class Probe:
         }
 
 
-def bench_one(probe_out: Path, input_len: int, vllm_args: list[str]) -> None:
-    """`vllm bench throughput` in this process through vLLM's own CLI, with the probe on the LLM it builds."""
+def bench_one(
+    probe_out: Path, input_len: int, warmup: dict, vllm_args: list[str], cpu_ops: str | None, on_cpu: bool
+) -> None:
+    """`vllm bench throughput` in this process through vLLM's own CLI, with the probe on the LLM it builds. On CPU
+    (the engine core runs in this process): vLLM's asynchronous scheduler kept when asked for (its CPU platform
+    turns it off), and kvpolicy's ``cpu_ops`` as the engine tests run them."""
+    if on_cpu:
+        from tests.e2e.engine_run import keep_async_scheduling_on_cpu, run_the_gpu_ops_on_cpu
+
+        if "--async-scheduling" in vllm_args:
+            keep_async_scheduling_on_cpu()
+        if cpu_ops:
+            run_the_gpu_ops_on_cpu(fixed_decode=cpu_ops == "fixed")
     from vllm import LLM
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    probe = Probe(input_len)
+    probe = Probe(input_len, STARTED, warmup)
     build = LLM.from_engine_args.__func__
 
     def built(cls, engine_args):
@@ -549,6 +671,9 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
         str(probe_json),
         "--input-len",
         str(preset["input_len"]),
+        "--warmup",
+        json.dumps(preset.get("warmup", WARMUP)),
+        *([] if on_cuda else ["--on-cpu", *(["--cpu-ops", config["cpu_ops"]] if "cpu_ops" in config else [])]),
         "--",
         *args,
     ]
@@ -560,7 +685,7 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
         "fits": preset["pools"][pool]["fits"],
         "prompts": preset["pools"][pool]["prompts"],
         "args": args,
-        "env": {**preset["env"], **config["env"]},
+        "env": row_env(preset, config, on_cuda),
     }
     if diagnosed:
         row["env"][DIAGNOSE_ENV] = str(work / f"{tag}.diagnose")
@@ -597,9 +722,12 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
                 "warmup_s",
                 "sample_read_ms",
                 "pool_empty_after",
+                "stall_s",
+                "engine_start_s",
             )
         }
         row |= {"preemptions": int(counters["num_preemptions"]), "counters": counters, "engine": probe["engine"]}
+        row |= watched_fields(probe)
         if counters["kvpolicy_loaded_kv_pages"] and counters["generation_tokens"]:
             shape = SHAPES[preset["shape"]]
             page_bytes = preset["block_size"] * 2 * shape["head_dim"] * DTYPE_BYTES[shape["torch_dtype"]]
@@ -616,6 +744,29 @@ def run_row(name: str, pool: str, preset: dict, model: Path, work: Path, timeout
     if row["status"] != "ok":
         row["error_tail"] = text[-3000:]
     return row
+
+
+def watched_fields(probe: dict) -> dict:
+    """The window's per-row facts from a probe (``watch_worker``): the scheduler, the timed run's steps by CUDA
+    graph mode, its fixed-shape decode steps, the Triton kernels compiled and the host synchronisations after the
+    warm-up (on CUDA; None on CPU, where there is no device to wait for), each with its details."""
+    if "graph_steps" not in probe:
+        return {"watch_error": probe.get("error")}
+    steps, syncs = probe["graph_steps"], probe["host_syncs"]
+    fixed = probe["fixed_decode_steps"]
+    return {
+        "async": probe["engine"]["async_scheduling"],
+        "full_graph_steps": steps.get("FULL", 0),
+        "piecewise_steps": steps.get("PIECEWISE", 0),
+        "eager_steps": steps.get("NONE", 0),
+        "fixed_steps": "none: no kvpolicy fixed-shape buffers" if fixed is None else sum(fixed.values()),
+        "triton_compiles": sum(probe["triton_compiles"].values()),
+        "host_syncs": syncs if isinstance(syncs, str) else sum(syncs.values()),
+        "watched": {
+            key: probe[key]
+            for key in ("watched_on", "graph_steps", "triton_compiles", "host_syncs", "fixed_decode_steps")
+        },  # fmt: skip
+    }
 
 
 def read_diagnostics(folder: Path) -> dict:
@@ -703,7 +854,7 @@ def run(args) -> None:
         "preset": preset_name,
         "configs": CONFIGS,
         "order": ORDER,
-        "warmup": WARMUP,
+        "warmup": preset.get("warmup", WARMUP),
         "kv_bytes_per_token": per_token_bytes(SHAPES[preset["shape"]]),
         "model_config": SHAPES[preset["shape"]],
         "platform": "cuda" if on_cuda else "cpu",
@@ -721,16 +872,22 @@ def run(args) -> None:
     done = {(r["config"], r["pool"]) for r in payload["runs"]}
     rows = preset.get("order", ORDER)
     order = [(c, p) for c, p in rows if (c, p) not in done and (not args.only or f"{c}.{p}" in args.only)]
+    failed: dict[str, str] = {}  # config -> the pool its row failed on: its later rows do not start
     for name, pool in tqdm(order, desc="rows", unit="engine"):
         left = deadline - time.monotonic()
+        skip = f"not started: {name} failed on {failed[name]}" if name in failed else None
         if left < preset["min_run_s"]:
-            payload["runs"].append({"config": name, "pool": pool, "status": f"not started: {left:.0f} s left"})
+            skip = f"not started: {left:.0f} s left"
+        if skip:
+            payload["runs"].append({"config": name, "pool": pool, "status": skip})
             write_json(args.out, payload)
             write_report(payload, args.out)
             continue
         row = run_row(name, pool, preset, model, work, min(preset["run_timeout_s"], left), on_cuda)
         payload["device"] = payload["device"] or row.get("device")
         payload["runs"].append(row)
+        if row["status"] != "ok":
+            failed[name] = pool
         write_json(args.out, payload)
         write_report(payload, args.out)
         tqdm.write(
@@ -740,6 +897,45 @@ def run(args) -> None:
         )
     print(write_report(payload, args.out))
     print(f"\nwrote {args.out} and its .md, .png")
+
+
+#: What every row of a window records (the issue's list): a rehearsal whose rows miss one fails ``check``.
+WINDOW_FIELDS = (
+    "output_tok_s",
+    "async",
+    "full_graph_steps",
+    "piecewise_steps",
+    "eager_steps",
+    "triton_compiles",
+    "host_syncs",
+    "fixed_steps",
+    "preemptions",
+    "mean_running",
+    "stall_s",
+    "engine_start_s",
+)
+
+
+def check(paths: list[Path]) -> int:
+    """Every row of each results file finished and filled ``WINDOW_FIELDS`` (a ``cuda_engine.py`` run's: every
+    engine exited 0); prints what is missing."""
+    missing = []
+    for path in paths:
+        if not path.is_file():
+            missing.append(f"{path}: not written")
+            continue
+        payload = json.loads(path.read_text())
+        for name, engine in payload.get("configs", {}).items():
+            if engine["rc"] != 0:
+                missing.append(f"{path.name}: {name}: rc {engine['rc']}")
+        for row in payload.get("runs", []):
+            absent = [key for key in WINDOW_FIELDS if row.get(key) is None]
+            if row.get("status") != "ok" or absent:
+                missing.append(
+                    f"{path.name}: {row['config']}.{row['pool']}: status {row.get('status')}, missing {absent}"
+                )
+    print("\n".join(missing) or f"every row of {', '.join(p.name for p in paths)} filled {', '.join(WINDOW_FIELDS)}")
+    return 1 if missing else 0
 
 
 def _on_cuda() -> bool:
@@ -770,9 +966,14 @@ def main() -> None:
     sweep.add_argument("--only", nargs="+", default=None, help="rows to run, as config.pool")
     report = sub.add_parser("report", help="the table and plot again from a results JSON")
     report.add_argument("json", type=Path)
+    checked = sub.add_parser("check", help="whether every row of results JSONs finished and filled the window's fields")
+    checked.add_argument("json", type=Path, nargs="+")
     one = sub.add_parser("bench-one", help=argparse.SUPPRESS)
     one.add_argument("--probe-out", type=Path, required=True)
     one.add_argument("--input-len", type=int, required=True)
+    one.add_argument("--warmup", type=json.loads, default=WARMUP)
+    one.add_argument("--on-cpu", action="store_true")
+    one.add_argument("--cpu-ops", choices=("triton", "fixed"), default=None)
     one.add_argument("vllm_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.command == "prepare":
@@ -786,10 +987,11 @@ def main() -> None:
         run(args)
     elif args.command == "report":
         print(write_report(json.loads(args.json.read_text()), args.json))
+    elif args.command == "check":
+        raise SystemExit(check(args.json))
     else:
-        bench_one(
-            args.probe_out, args.input_len, args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-        )
+        vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+        bench_one(args.probe_out, args.input_len, args.warmup, vllm_args, args.cpu_ops, args.on_cpu)
 
 
 if __name__ == "__main__":
