@@ -282,7 +282,7 @@ def main() -> int:
     parser.add_argument(
         "--torch-paths",
         action="store_true",
-        help="cpu ops: the torch paths kvpolicy takes where vLLM's ISA packs pages non-affinely (AMX)",
+        help="cpu ops: the paths kvpolicy takes where vLLM's ISA packs pages non-affinely (AMX)",
     )
     parser.add_argument("--abort-after", type=int, default=None, help="abort the longest request after this many steps")
     parser.add_argument("--prefix-caching", action="store_true", help="--enable-prefix-caching")

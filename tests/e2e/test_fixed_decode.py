@@ -2,7 +2,7 @@
 
 On a GPU, vLLM replays a captured graph for a decode batch: the launches of
 the capture, with their arguments. Here the Triton ops run interpreted
-(``KVPOLICY_OPS=triton``) and ``KVPOLICY_FIXED_DECODE=1`` makes the CPU
+(``engine_run.py --ops triton``) and ``--fixed-decode`` makes the CPU
 backend build decode batches as it does for those graphs
 (``kvpolicy/vllm/worker/modes/fixed_decode.py``): every row as one-head sequences
 over persistent buffers, relocated rows and rows still in vLLM's layout (the

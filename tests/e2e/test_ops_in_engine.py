@@ -1,15 +1,16 @@
 """kvpolicy's other tensor paths run end to end against the CPU ops: the real engine, the same requests.
 
 * The GPU path without a GPU: kvpolicy's Triton ops in Triton's interpreter on the
-  CPU cache (``KVPOLICY_OPS=triton``, ``TRITON_INTERPRET=1``), so every per-head
+  CPU cache (``engine_run.py --ops triton``), so every per-head
   write, attention call, token move and score goes through ``triton_kernels/``;
   stock rows too, in steps that mix them with per-head rows.
 * The Triton kernels' warm-up: every variant the engine launches while it
   serves was compiled before (``kvpolicy_triton.launch``).
-* The CPU ops' torch paths, which kvpolicy takes where vLLM's CPU ISA packs KV
-  pages non-affinely (AMX, for bfloat16 on recent Xeons) and its C++ ops cannot
-  address them: forced here on this machine's affine pages (``--torch-paths``),
-  so every token move, gather and attention reads pages through the offset tables.
+* The CPU ops' paths for pages vLLM's CPU ISA packs non-affinely (AMX, for
+  bfloat16 on recent Xeons), which its C++ ops cannot address in place: forced
+  here on this machine's affine pages (``--torch-paths``), so every token move and
+  gather reads pages through the offset tables, and the C++ attention ops read
+  a copy of their pages (``affine_pages``).
 
 The model is a tiny random-weight Llama made locally (3 layers, 4 query heads
 over 2 KV heads, head size 32): interpreted kernels are slow, and OmniKV needs
@@ -22,6 +23,8 @@ import json
 import pytest
 
 from kvpolicy.offline.model import prepare_tiny
+from kvpolicy.policies import POLICIES as POLICIES_BY_NAME
+from kvpolicy.policies import Mode
 
 RUN = ("--prompt-lens", "40", "200", "129", "--max-tokens", "6", "--chunk", "64")
 POLICIES = {
@@ -37,6 +40,20 @@ POD_GROUPS = [[[0, 1, 2]], [[0], [1, 2]]]
 #: flags of each other path -> the ops class it runs
 OTHER_OPS = {"triton": (("--ops", "triton"), "TritonOps"), "torch-paths": (("--torch-paths",), "CPUOps")}
 LOGPROB_TOLERANCE = 1e-3  # fp32 model and cache; the kernels sum in another order than vLLM's CPU attention
+
+
+def assert_the_policy_acted(policy: str, counters: dict) -> None:
+    """What makes a comparison of two runs prove something: the policy did its work in this one (two runs that
+    both skipped it would agree)."""
+    mode = POLICIES_BY_NAME[policy].mode
+    if mode is Mode.SHARE:
+        assert counters["pod_layouts"] > 0, "a prompt was laid out and decoded on the sharing path"
+    elif mode is Mode.SELECT:
+        assert 0 < counters["selected_pages"] < counters["context_pages"], "the filter layers left pages out"
+    else:
+        assert counters["relocated_requests"] > 0, "requests were laid out per head"
+        if policy != "identity":  # keeps every token
+            assert counters["compressed_requests"] > 0, "requests were compressed"
 
 
 def assert_same_tokens(run: dict, other: dict, tolerance: float = LOGPROB_TOLERANCE) -> None:
@@ -70,8 +87,7 @@ def test_other_ops_in_the_engine_agree_with_the_cpu_ops(engine_run, tiny_model, 
     cpu = engine_run(*args, model=tiny_model)
     other = engine_run(*args, *flags, model=tiny_model)
     assert (cpu["ops"], other["ops"]) == ("CPUOps", ops_class)
-    if policy == "pod":
-        assert cpu["counters"]["pod_layouts"] > 0, "a prompt was laid out and decoded on the sharing path"
+    assert_the_policy_acted(policy, cpu["counters"])
     assert_same_tokens(cpu, other)
     assert other["counters"] == cpu["counters"], "the same requests were relocated, compressed and released"
     assert other["kv_cache_usage_end"] == 0.0, "every block is free again after the run"

@@ -98,7 +98,7 @@ def test_pod_recomputes_after_preemption_and_returns_every_block(engine_run):
     """A 16-block pool and 150 output tokens each: vLLM preempts, a recomputed request is laid out again."""
     run = engine_run(*POD, "--pool-mib", "96", "--max-tokens", "150")
     assert run["preemptions"] > 0
-    assert run["counters"]["pod_layouts"] >= len(layout_lengths(150))
+    assert run["counters"]["pod_layouts"] > len(layout_lengths(150)), "a laid-out request was laid out again"
     assert all(len(r["token_ids"]) == 150 for r in run["requests"])
     assert run["kv_cache_usage_end"] == 0.0
 
