@@ -8,12 +8,13 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from kvpolicy.policies import POLICIES, Mode, Policy, make_policy
-from kvpolicy.policies.options import check_value, flag_of, is_option, one_of, option
+from kvpolicy.policies.options import check_value, flag_of, is_option, not_negative, one_of, option
 
 #: Options a request may set in ``SamplingParams.extra_args`` (OpenAI API: ``vllm_xargs``).
 REQUEST_BUDGET_KEY = "kv_budget"
 REQUEST_POLICY_KEY = "kv_policy"
-REQUEST_OPTIONS = (REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY)
+REQUEST_DECODE_BUFFER_KEY = "kv_decode_buffer"
+REQUEST_OPTIONS = (REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY, REQUEST_DECODE_BUFFER_KEY)
 
 
 class KVPolicyConfigError(ValueError):
@@ -112,6 +113,15 @@ class KVPolicyConfig:
         None, "tokens kept per KV head after the prompt; must be at most --max-model-len", check=_budget
     )
     ratio: float | None = option(None, "fraction of prompt tokens kept, instead of a budget", check=_ratio)
+    decode_buffer: int | None = option(
+        None,
+        "relocating policies: a prompt shorter than --kv-budget is compressed once decode takes its cache past the "
+        "budget; the SnapKV family and streaming then let it grow this many tokens past the budget (rounded up to "
+        "whole pages) between passes (keydiff, h2o, d2o evict at every page over it); 0 keeps such requests whole "
+        "(default: one page)",
+        check=not_negative,
+        mode=Mode.RELOCATE,
+    )
     page_pool: str | None = option(
         None,
         "relocating policies: model (the CPU default) pools a request's pages over every layer of its blocks, so a "
@@ -252,8 +262,16 @@ class KVPolicyConfig:
     @property
     def moves_after_prompt(self) -> bool:
         """Whether a request's pages may move after its prompt is read: PoD's layout, an offload (which a
-        recompute past the prompt after a preemption ends)."""
-        return POLICIES[self.policy].mode.traits.moves_after_prompt or self.offload is not None
+        recompute past the prompt after a preemption ends), a prompt within its budget that decode takes past it."""
+        policy = POLICIES[self.policy]
+        return policy.mode.traits.moves_after_prompt or self.offload is not None or self.compresses_in_decode
+
+    @property
+    def compresses_in_decode(self) -> bool:
+        """Whether a prompt within its budget may be compressed once decode takes it past it (``decode_budget``):
+        a relocating policy with a budget, unless ``--kv-decode-buffer 0``."""
+        policy = POLICIES[self.policy]
+        return policy.mode is Mode.RELOCATE and policy.needs_budget and self.decode_buffer != 0
 
     def sparse_budget(self, context_len: int, num_layers: int, override: int | None = None) -> int:
         """OmniKV: tokens a sparse layer attends to at this context length (``--kv-ratio`` is Mem%)."""
@@ -271,6 +289,19 @@ class KVPolicyConfig:
 
         ``override`` is a request's own ``kv_budget`` (already validated).
         """
+        budget = self._budget(prompt_len, override)
+        return budget if budget is not None and budget < prompt_len else None
+
+    def decode_budget(self, prompt_len: int, override: int | None = None) -> int | None:
+        """Tokens per KV head a prompt of ``prompt_len`` within its ``--kv-budget`` (or ``kv_budget``) is
+        brought back to once decode takes it past them; None when its prompt is compressed at its end, or
+        no budget is set in tokens (``--kv-ratio`` compresses every prompt at its end)."""
+        if override is None and self.budget is None:
+            return None
+        budget = self._budget(prompt_len, override)
+        return budget if budget >= prompt_len else None
+
+    def _budget(self, prompt_len: int, override: int | None) -> int | None:
         if override is not None:
             budget = override
         elif self.budget is not None:
@@ -281,7 +312,7 @@ class KVPolicyConfig:
             return None
         if self.observation_window is not None:
             budget = max(budget, self.observation_window + 1)
-        return budget if budget < prompt_len else None
+        return budget
 
     def request_policies(self) -> list[str]:
         """What a request's ``kv_policy`` may name on this server: ``none`` (it stays on vLLM's stock
@@ -312,7 +343,26 @@ class KVPolicyConfig:
             if policy == "none":
                 raise KVPolicyConfigError("kv_budget does not apply to a request with kv_policy 'none'")
             self.check_request_budget(options[REQUEST_BUDGET_KEY], max_model_len)
+        if REQUEST_DECODE_BUFFER_KEY in options:
+            self.check_request_decode_buffer(options[REQUEST_DECODE_BUFFER_KEY], policy, max_model_len)
         return options
+
+    def check_request_decode_buffer(self, value, policy: str, max_model_len: int) -> int:
+        """A per-request ``kv_decode_buffer`` (``vllm_xargs``): an int in [0, max_model_len], for a request
+        a relocating policy compresses (``--kv-decode-buffer``)."""
+        if policy == "none" or POLICIES[policy].mode is not Mode.RELOCATE or not POLICIES[policy].needs_budget:
+            raise KVPolicyConfigError(
+                f"kv_decode_buffer applies to relocating policies with a budget, not kv_policy {policy!r}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_model_len:
+            raise KVPolicyConfigError(
+                f"kv_decode_buffer must be an integer number of tokens in [0, {max_model_len}], got {value!r}"
+            )
+        if value and not self.compresses_in_decode:
+            raise KVPolicyConfigError(
+                "kv_decode_buffer > 0 needs a server that compresses in decode (started without --kv-decode-buffer 0)"
+            )
+        return value
 
     def check_request_budget(self, value, max_model_len: int) -> int:
         """A per-request ``kv_budget`` (``vllm_xargs``): an int in (window, max_model_len]."""

@@ -167,6 +167,17 @@ def prompt_rows_scheduled(scheduler_output, runner) -> bool:
     return False
 
 
+def decode_rows_scheduled(scheduler_output, runner):
+    """(request id, the runner's request, tokens in its cache after the step) of each running request the
+    step brings one token to, past its prompt (a decode row)."""
+    cached = scheduler_output.scheduled_cached_reqs
+    counts, requests = scheduler_output.num_scheduled_tokens, runner.requests
+    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        request = requests.get(req_id)
+        if counts.get(req_id) == 1 and request is not None and computed >= request.num_prompt_tokens:
+            yield req_id, request, computed + 1
+
+
 def attention_metadata_builders(runner):
     """Every attention metadata builder of a model runner (made by ``initialize_kv_cache``): the V1
     runner's ``attn_groups`` (one list per KV-cache group), each group's ``metadata_builders`` (one per

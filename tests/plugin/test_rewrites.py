@@ -6,6 +6,7 @@ from types import SimpleNamespace
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import write_order
 from kvpolicy.vllm.scheduler.rewrite_bounds import RewriteBound
+from kvpolicy.vllm.worker.modes import RequestStep
 
 HEADS, LAYERS, BLOCK = 3, 30, 128
 
@@ -101,3 +102,53 @@ def test_a_new_mode_is_its_class_and_one_registry_line(monkeypatch):
     assert "r" in rewrites.done
     assert rewrites.positions(request(1000, 1000, 1001), 1, order) == [], "done: not asked again"
     assert len(asked) == 2
+
+
+def test_decode_relocates_a_prompt_within_its_budget_once_at_its_first_pass():
+    """A 100-token prompt under a 128-token budget (16-token blocks): vLLM's layout until the step that takes
+    its cache a page past budget and buffer (the 145th token, which opens a page), then relocated once, choosing
+    among every token so far; the scheduler asks no more (later passes rewrite only its own pages)."""
+    rewrites = RewriteBound(KVPolicyConfig(policy="adamix", budget=128), HEADS, LAYERS, 16)
+    order = write_order(10)
+    assert rewrites.positions(request(100, 0), 100, order) == [], "the prompt: within budget"
+    assert rewrites.positions(request(100, 140, 141), 1, order) == []
+    # Up to 3 heads x 129 tokens, a page each part-filled, and a spare block: every block of the 145 tokens.
+    assert rewrites.positions(request(100, 144, 145), 1, order) == order
+    assert "r" in rewrites.done
+    assert rewrites.positions(request(100, 160, 161), 1, order) == [], "relocated once: its blocks left already"
+    rewrites.done.discard("r")  # preempted: recomputed in vLLM's layout, relocated again at a pass
+    assert rewrites.positions(request(100, 0, 170), 170, order) == []
+    assert rewrites.positions(request(100, 176, 177), 1, write_order(12)) == write_order(12)[:11]
+    off = RewriteBound(KVPolicyConfig(policy="adamix", budget=128, decode_buffer=0), HEADS, LAYERS, 16)
+    assert off.positions(request(100, 144, 145), 1, order) == []
+    assert rewrites.positions(request(100, 144, 145, kv_decode_buffer=0), 1, order) == []
+    assert rewrites.positions(request(100, 144, 145, kv_policy="none"), 1, order) == []
+
+
+def test_the_decode_passes_of_each_policy():
+    """The SnapKV family and streaming pass a page past budget and buffer, then every buffer (in whole pages);
+    the evicting policies relocate a page past the budget and evict on their own from there."""
+    from kvpolicy.vllm.worker.modes.relocate import Relocate
+
+    def passes(policy, prompt=100, buffer=None, **options):
+        config = KVPolicyConfig(policy=policy, budget=128, **options)
+        step = RequestStep(
+            config.make_policy(), config, prompt, prompt, prompt, prompt, None, HEADS, LAYERS, 16, buffer
+        )
+        return Relocate.decode_passes(step)
+
+    adamix = passes("adamix")
+    assert (adamix.budget, adamix.first, adamix.period, adamix.window, adamix.repeats) == (128, 145, 16, 16, True)
+    assert [end for end in range(100, 200) if adamix.due(end)] == [145, 161, 177, 193]
+    assert [end for end in range(130, 162) if adamix.observes(end)] == [*range(130, 145), *range(146, 161)]
+    assert adamix.kept_queries == 0
+    snapkv = passes("snapkv", buffer=40)  # a 48-token period; the 32-query window fits in it
+    assert (snapkv.first, snapkv.period, snapkv.kept_queries) == (177, 48, 0)
+    assert passes("snapkv", buffer=8).kept_queries == 16, "a window longer than the period keeps the rest"
+    assert passes("streaming").window == 0
+    h2o = passes("h2o")
+    assert (h2o.first, h2o.window, h2o.repeats) == (144, 16, False), "the queries since the budget score it"
+    assert passes("keydiff").window == 0
+    assert passes("adamix", prompt=300) is None, "a long prompt is compressed at its end"
+    assert passes("adamix", buffer=0) is None
+    assert passes("adamix", decode_buffer=0) is None

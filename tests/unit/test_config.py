@@ -116,6 +116,39 @@ def test_budget_for_a_prompt():
     assert KVPolicyConfig(policy="identity").budget_for(3000) is None
 
 
+def test_a_prompt_within_its_budget_has_a_decode_budget_unless_the_buffer_is_0():
+    config = KVPolicyConfig(policy="adamix", budget=256)
+    assert config.decode_budget(200) == 256 and config.decode_budget(256) == 256
+    assert config.decode_budget(3000) is None, "a long prompt is compressed at its end"
+    assert config.decode_budget(200, override=64) is None and config.decode_budget(50, override=64) == 64
+    assert KVPolicyConfig(policy="adamix", ratio=0.5).decode_budget(200) is None
+    assert config.compresses_in_decode and config.moves_after_prompt
+    off = KVPolicyConfig(policy="adamix", budget=256, decode_buffer=0)
+    assert not off.compresses_in_decode and not off.moves_after_prompt
+    assert not KVPolicyConfig(policy="identity").compresses_in_decode
+    with pytest.raises(KVPolicyConfigError, match="--kv-decode-buffer must be >= 0"):
+        KVPolicyConfig(policy="adamix", budget=256, decode_buffer=-1)
+    with pytest.raises(KVPolicyConfigError, match="--kv-decode-buffer applies to --kv-policy adamix"):
+        KVPolicyConfig(policy="omnikv", budget=256, decode_buffer=16)
+
+
+@pytest.mark.parametrize(
+    "options, extra, message",
+    [
+        ({}, {"kv_decode_buffer": -1}, r"kv_decode_buffer must be an integer number of tokens in \[0, 4096\]"),
+        ({}, {"kv_decode_buffer": True}, "kv_decode_buffer must be an integer"),
+        ({}, {"kv_decode_buffer": 5000}, "kv_decode_buffer must be an integer"),
+        ({}, {"kv_policy": "none", "kv_decode_buffer": 16}, "not kv_policy 'none'"),
+        ({"decode_buffer": 0}, {"kv_decode_buffer": 16}, "started without --kv-decode-buffer 0"),
+    ],
+)
+def test_a_requests_decode_buffer_is_checked(options, extra, message):
+    with pytest.raises(KVPolicyConfigError, match=message):
+        KVPolicyConfig(policy="adasnap", budget=256, **options).check_request_options(extra, 4096)
+    ok = KVPolicyConfig(policy="adasnap", budget=256, **options).check_request_options({"kv_decode_buffer": 0}, 4096)
+    assert ok == {"kv_decode_buffer": 0}
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
@@ -180,7 +213,10 @@ def test_pool_kernel_is_the_policys_own_unless_given():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"kv_budgt": 128}, r"unknown request option 'kv_budgt'; kvpolicy takes kv_budget, kv_policy per request"),
+        (
+            {"kv_budgt": 128},
+            r"unknown request option 'kv_budgt'; kvpolicy takes kv_budget, kv_policy, kv_decode_buffer per request",
+        ),
         ({"kv_budget": 128, "kv_ratio": 0.5}, "unknown request option 'kv_ratio'"),
         (
             {"kv_policy": "keydiff"},

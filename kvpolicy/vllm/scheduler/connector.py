@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpolicy.config import KVPolicyConfig
+from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_DECODE_BUFFER_KEY, KVPolicyConfig
 from kvpolicy.paging import write_order
 from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
@@ -38,6 +38,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
         # Scheduler side: requests whose prompt is being read (or not moved yet, see above), and relocated ones.
         self._reading: dict[str, Any] = {}
         self._moves_after_prompt = False
+        self._config: KVPolicyConfig | None = None
         self._relocated: dict[str, Any] = {}
         self._max_model_len = vllm_config.model_config.max_model_len
         self._block_size = vllm_config.cache_config.block_size
@@ -54,7 +55,7 @@ class KVPolicyConnector(KVConnectorBase_V1):
     # Scheduler side: no external KV, nothing to load.
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        config = KVPolicyConfig.stored_in(self._vllm_config.additional_config)
+        config = self._config = KVPolicyConfig.stored_in(self._vllm_config.additional_config)
         if config is not None and config.reserve_growth:
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
         self._moves_after_prompt = config is not None and config.moves_after_prompt
@@ -66,14 +67,31 @@ class KVPolicyConnector(KVConnectorBase_V1):
             )
 
     def growth_blocks(self) -> int:
-        """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``)."""
-        growing = []
+        """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``);
+        a request decode compresses takes at most the blocks vLLM appends between two of its passes."""
+        growing, between_passes = [], 0
         for req_id, request in self._relocated.items():
             held = held_blocks(self._kv_cache_manager, req_id)
-            if held is not None:  # not preempted
-                final = min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
-                growing.append(GrowingRequest(*held, request.num_tokens, max(final - request.num_tokens, 0)))
-        return blocks_to_reserve(growing, self._block_size)
+            if held is None:  # preempted
+                continue
+            period = self._decode_period(request)
+            if period is not None:
+                between_passes += period // self._block_size + 1
+                continue
+            final = min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
+            growing.append(GrowingRequest(*held, request.num_tokens, max(final - request.num_tokens, 0)))
+        return blocks_to_reserve(growing, self._block_size) + between_passes
+
+    def _decode_period(self, request) -> int | None:
+        """The most tokens a request decode compresses (its prompt within its budget) grows by between two
+        passes: its buffer in whole pages, at least one (``DecodePasses``); None for any other request."""
+        config, extra = self._config, request.sampling_params.extra_args or {}
+        buffer = extra.get(REQUEST_DECODE_BUFFER_KEY, config.decode_buffer)
+        if not config.compresses_in_decode or buffer == 0:
+            return None
+        if config.decode_budget(request.num_prompt_tokens, extra.get(REQUEST_BUDGET_KEY)) is None:
+            return None
+        return -(-max(buffer or 0, self._block_size) // self._block_size) * self._block_size
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False

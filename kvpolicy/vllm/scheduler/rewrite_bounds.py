@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY, KVPolicyConfig
+from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_DECODE_BUFFER_KEY, REQUEST_POLICY_KEY, KVPolicyConfig
 from kvpolicy.policies import Policy
 from kvpolicy.vllm.worker.modes import MODES, RequestStep
 
@@ -50,6 +50,7 @@ class RewriteBound:
         if policy is None or request.request_id in self.done or policy.mode not in MODES:
             return []
         mode = MODES[policy.mode].state
+        extra = request.sampling_params.extra_args or {}
         step = RequestStep(
             policy=policy,
             config=self.config,
@@ -57,10 +58,11 @@ class RewriteBound:
             num_tokens=request.num_tokens,
             end=request.num_computed_tokens + num_scheduled,
             query_len=num_scheduled,
-            budget_arg=(request.sampling_params.extra_args or {}).get(REQUEST_BUDGET_KEY),
+            budget_arg=extra.get(REQUEST_BUDGET_KEY),
             num_kv_heads=self.num_kv_heads,
             num_layers=self.num_layers,
             block_size=self.block_size,
+            decode_buffer_arg=extra.get(REQUEST_DECODE_BUFFER_KEY),
         )
         written = mode.written_blocks(step)
         if written is None:

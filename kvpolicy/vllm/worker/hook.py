@@ -16,6 +16,7 @@ from kvpolicy.vllm.internals import (
     CPU_WORKER_MODULE,
     GPU_WORKER_MODULE,
     attention_metadata_builders,
+    decode_rows_scheduled,
     ensure_intermediate_tensors,
     pipeline_stage,
     prompt_rows_scheduled,
@@ -81,8 +82,11 @@ class KVPolicyWorkerHooks:
         self.kvpolicy.forget(scheduler_output.preempted_req_ids)
         metadata = own_metadata(scheduler_output.kv_connector_metadata)
         self.kvpolicy.block_sharing = metadata.sharing if metadata is not None else {}
-        if self.kvpolicy.fixed_decode:
-            self.kvpolicy.prompt_in_step = prompt_rows_scheduled(scheduler_output, self.model_runner)
+        if self.kvpolicy.fixed_decode:  # a prompt row, or a decode row with a pass or a query to stash
+            runner = self.model_runner
+            self.kvpolicy.prompt_in_step = prompt_rows_scheduled(scheduler_output, runner) or (
+                self.kvpolicy.mode.decode_work_due(decode_rows_scheduled(scheduler_output, runner))
+            )
         diagnostics = self.kvpolicy.diagnostics
         if diagnostics is None:
             return super().execute_model(scheduler_output, *args, **kwargs)

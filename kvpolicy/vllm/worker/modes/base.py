@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_POLICY_KEY, KVPolicyConfig
+from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_DECODE_BUFFER_KEY, REQUEST_POLICY_KEY, KVPolicyConfig
 from kvpolicy.paging import RequestPages
 from kvpolicy.paging.block_pages import BlockPages
 from kvpolicy.policies import Policy
@@ -81,6 +81,11 @@ class Row:
         return self.extra.get(REQUEST_BUDGET_KEY)
 
     @property
+    def decode_buffer_arg(self) -> int | None:
+        """The request's ``kv_decode_buffer``, if it asked for one."""
+        return self.extra.get(REQUEST_DECODE_BUFFER_KEY)
+
+    @property
     def idle(self) -> bool:
         return self.query_len == 0
 
@@ -100,6 +105,7 @@ class RequestStep:
     num_kv_heads: int
     num_layers: int
     block_size: int
+    decode_buffer_arg: int | None = None  # the request's ``kv_decode_buffer``
 
     @property
     def complete(self) -> bool:
@@ -203,6 +209,7 @@ class ModeState(ABC, Generic[R]):
             num_kv_heads=shape.num_kv_heads,
             num_layers=shape.num_layers,
             block_size=shape.block_size,
+            decode_buffer_arg=row.decode_buffer_arg,
         )
 
     def new_request(self) -> R:

@@ -93,7 +93,7 @@ class PerHeadPath(ModePath):
         for relocation in relocations:
             policy = relocation.policy
             if relocation.num_tokens is None:
-                self._evict(layer, kv_cache, layer_idx, relocation)
+                self._evict(layer, query, kv_cache, layer_idx, relocation)
                 continue
             queries = None
             if policy.inputs.window or policy.inputs.attention:
@@ -111,10 +111,14 @@ class PerHeadPath(ModePath):
                     earlier = (prompt, slots) if i == layer_idx else self._prompt(layer, cache, i, relocation, None)
                     self._compact(layer, cache, i, relocation, *earlier, budget, observation, *counts)
 
-    def _evict(self, layer, kv_cache, layer_idx: int, relocation: Relocation) -> None:
-        """An eviction pass: this layer's cache back to its budget, with what the policy carried, if over it."""
+    def _evict(self, layer, query, kv_cache, layer_idx: int, relocation: Relocation) -> None:
+        """An eviction pass: this layer's cache back to its budget, with what the policy carried (and, for a
+        window policy's pass in decode, its window of generated queries), if over it."""
         pages = relocation.pages
         carried = self.mode.requests[relocation.req_id].carried
+        window = None
+        if relocation.policy.inputs.window:  # taken in every layer, over budget or not: the next pass's start
+            window = self.mode.take_window(relocation.req_id, layer_idx, self._rows(query, relocation.window_idx))
         length = int(pages.lengths[layer_idx, 0])
         budget = carried.budgets[layer_idx]
         if length <= budget:
@@ -122,11 +126,13 @@ class PerHeadPath(ModePath):
         keys, values, slots = self._read(layer, kv_cache, layer_idx, relocation, length, length)
         cache = PromptKV(
             keys,
+            window_queries=window,
             layer=layer_idx,
             num_layers=pages.num_layers,
             values=values,
             scores=self.mode.scores.read(layer_idx, carried.slot, length) if carried.scored[layer_idx] else None,
             threshold=carried.thresholds[layer_idx],
+            heads=None if window is None else self.worker.head_group,
         )
         self._compact(layer, kv_cache, layer_idx, relocation, cache, slots, budget, None, length, length)
 
@@ -176,8 +182,8 @@ class PerHeadPath(ModePath):
         ``num_computed``, are kept. ``slots`` [heads, num_computed]: where
         each head's tokens sit now (``_read``), so the move sources are
         picked on the cache's device and only the kept counts reach the page
-        table. A policy that evicts in decode carries the layer's budget,
-        scores and threshold to its next pass.
+        table. A policy that evicts in decode, or a request decode compresses,
+        carries the layer's budget, scores and threshold to its next pass.
         """
         heads, head_size = kv_cache.shape[1], kv_cache.shape[-1] // 2
         pages = relocation.pages
@@ -193,7 +199,7 @@ class PerHeadPath(ModePath):
             rewritten = pages.current_slots(layer_idx, [torch.arange(chosen.numel()) for chosen in result.kept])
             keys, values = result.keys.reshape(-1, head_size), result.values.reshape(-1, head_size)
             self.ops.scatter(layer, cache, rewritten, keys, values)
-        if policy.schedule.in_decode:
+        if policy.schedule.in_decode or self.mode.requests[relocation.req_id].decode is not None:
             carried = self.mode.carried(relocation.req_id)
             carried.budgets[layer_idx] = budget
             carried.scored[layer_idx] = result.scores is not None

@@ -5,20 +5,31 @@ identity) moves a request's prompt into per-head pages, and its rows then attend
 batch (which rows go per head, which prompts relocate, which chunks stash window queries); the path that
 runs the step in every layer is ``per_head_path.PerHeadPath``. ``Relocate.plan`` is the mode's rule for
 both processes: when a step relocates a request and how many of its blocks it writes.
+
+A prompt within its budget stays in vLLM's layout until decode takes its cache past the budget
+(``DecodePasses``): then a decode step relocates it, choosing among every token so far with the queries of
+the steps before it, and it is brought back to its budget as it grows: by the evicting policies' own
+passes, a page over budget, or for the others by a pass each time it grows a buffer past the budget. Those
+passes keep the same count in every head of a layer (``decode_form``: Ada-KV's head allocation is left to
+prompts).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, is_, is_not
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_slots, virtual_tokens
-from kvpolicy.policies import Schedule
+from kvpolicy.policies import Policy, Schedule
+from kvpolicy.policies.compose import UniformHeads
 from kvpolicy.vllm.messages import BlockRelease
 from kvpolicy.vllm.worker.modes.base import HostBatch, ModeState, RequestStep, Row, StepShape
 from kvpolicy.vllm.worker.modes.carried import CarriedScores, CarriedState
@@ -47,7 +58,9 @@ class RelocatedRequest:
     chunks (``column_sums``, layer -> [q_heads, keys so far]). At relocation, for policies that budget
     across layers, what each layer observed until the last one arrives (``observed``). Once relocated:
     its per-head ``pages``, and what an evicting policy carries to its next pass (``carried``).
-    ``uncompressed``: its own blocks could not hold what the policy keeps; it stays on the stock path.
+    ``uncompressed``: it stays on the stock path: its own blocks could not hold what the policy keeps, or
+    its prompt is within budget and nothing compresses it in decode. ``decode``: when decode compresses a
+    prompt within its budget (its first pass relocates it).
     """
 
     pages: RequestPages | None = None
@@ -56,11 +69,13 @@ class RelocatedRequest:
     observed: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
     carried: CarriedState | None = None
     uncompressed: bool = False
+    decode: DecodePasses | None = None
 
 
 #: What ``Relocate._decoding_rows`` reads of every row's request: a request not tracked reads as a new one.
 _UNTRACKED = RelocatedRequest()
 _PAGES, _UNCOMPRESSED, _BLOCKS = attrgetter("pages"), attrgetter("uncompressed"), attrgetter("blocks")
+_DECODE = attrgetter("decode")
 
 
 @dataclass
@@ -72,6 +87,50 @@ class _Draft:
     per_head_rows: list[int] = field(default_factory=list)
     per_head_pages: list[RequestPages] = field(default_factory=list)
     summed_rows: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DecodePasses:
+    """How decode compresses a prompt within its ``budget``: its first pass (a relocation) at the step that
+    brings its cache to ``first`` tokens, then, for a policy that does not evict by itself (``repeats``),
+    every ``period`` tokens. ``first`` is the first token of a page past the budget and the buffer (for
+    the evicting policies, a page past the budget), so a pass frees a page vLLM just appended. The queries
+    of the ``window`` steps up to a pass score it (stashed until then)."""
+
+    budget: int
+    first: int
+    period: int
+    window: int
+    repeats: bool
+
+    def due(self, end: int) -> bool:
+        """A pass runs at the step that brings the cache to ``end`` tokens."""
+        return end >= self.first and (end - self.first) % self.period == 0
+
+    def observes(self, end: int) -> bool:
+        """The step's query is stashed for the next pass (the pass's own step hands it over itself)."""
+        ahead = self.first - end if end <= self.first else -(end - self.first) % self.period
+        return 0 < ahead < self.window
+
+    @property
+    def kept_queries(self) -> int:
+        """Window queries a pass keeps for the next one, when the window is longer than the period."""
+        return max(self.window - self.period, 0) if self.repeats else 0
+
+
+def decode_form(policy: Policy) -> Policy:
+    """The policy as decode passes apply it: the same count in every head of a layer (a head allocator
+    such as Ada-KV's would leave heads of different lengths, which the next pass could not read as one)."""
+    if isinstance(getattr(policy, "heads", UniformHeads()), UniformHeads):
+        return policy
+    return _uniform_heads(policy)
+
+
+@functools.cache
+def _uniform_heads(policy: Policy) -> Policy:
+    uniform = copy.copy(policy)
+    object.__setattr__(uniform, "heads", UniformHeads())
+    return uniform
 
 
 @dataclass(frozen=True)
@@ -104,6 +163,26 @@ class Relocate(ModeState[RelocatedRequest]):
         if self.fixed is None:  # one set of buffers for the worker, however many builders bind to it
             self.fixed = FixedDecode(self, ops, shape, max_rows, head_size, device)
         return True
+
+    def decode_work_due(self, rows: Iterable[tuple[str, Any, int]]) -> bool:
+        """Whether a decode row of the step, (request id, the runner's request, tokens in its cache after the
+        step), stashes its query or runs a pass (``DecodePasses``): host work after attention, which a full
+        CUDA graph leaves out, so the step runs outside one (as a prompt step does)."""
+        for req_id, runner_request, end in rows:
+            request = self.requests.get(req_id, _UNTRACKED)
+            decode = request.decode
+            row = Row(0, req_id, runner_request, 0, 1, end)
+            if decode is None and request.pages is None and not request.uncompressed and row.policy_name != "none":
+                decode = self.decode_passes(
+                    RequestStep(
+                        self.worker.policy_named(row.policy_name), self.worker.config, row.prompt_len,
+                        runner_request.num_tokens, end, 1, row.budget_arg, 1, 1, self.fixed.shape.block_size,
+                        row.decode_buffer_arg,
+                    )
+                )  # fmt: skip
+            if decode is not None and decode.repeats and (decode.due(end) or decode.observes(end)):
+                return True
+        return False
 
     def stage(self, step: RelocatingStep | FixedDecodeStep, ops: KVOps) -> None:
         ops.stage(step, self.device_tables)
@@ -147,9 +226,16 @@ class Relocate(ModeState[RelocatedRequest]):
         self.track(req_id).window_queries.setdefault(layer, []).append(queries)
 
     def take_window(self, req_id: str, layer: int, last: torch.Tensor) -> torch.Tensor:
-        """All window queries of a prompt for one layer, [q_heads, window, head_dim], on their device."""
-        earlier = self.requests[req_id].window_queries.pop(layer, [])
-        return torch.cat([*earlier, last]).transpose(0, 1)
+        """All window queries of a prompt for one layer, [q_heads, window, head_dim], on their device; in
+        decode, the last ``window`` of them, those the next pass reads again left stashed."""
+        request = self.requests[req_id]
+        window = torch.cat([*request.window_queries.pop(layer, []), last])
+        decode = request.decode
+        if decode is not None:
+            window = window[-decode.window :]
+            if decode.kept_queries:
+                request.window_queries[layer] = [window[-decode.kept_queries :]]
+        return window.transpose(0, 1)
 
     def add_column_sums(self, req_id: str, layer: int, sums: torch.Tensor) -> None:
         """Add a summed chunk's column sums [q_heads, keys so far] to the prompt's running ones of a layer."""
@@ -202,6 +288,8 @@ class Relocate(ModeState[RelocatedRequest]):
                 self._relocated_row(draft, row, request.pages, batch, shape, schedule)
             elif row.start < row.prompt_len:
                 self._prompt_row(draft, row, batch, shape)
+            elif row.query_len == 1:
+                self._decode_row(draft, row, batch, shape)
         if draft.per_head_rows:
             index = np.asarray(draft.per_head_rows, dtype=np.int64)
             pages = draft.per_head_pages
@@ -222,7 +310,7 @@ class Relocate(ModeState[RelocatedRequest]):
     def _decoding_rows(self, draft: _Draft, batch: HostBatch, shape: StepShape, schedule: Schedule) -> list[int] | None:
         """Under a policy that never evicts after relocation, a relocated request's row only needs room for
         its tokens (and the pages of blocks vLLM appended): those rows go per head here, found for the whole
-        batch without a ``Row`` each. Returns the other rows, for ``rows``; None: every row (an evicting
+        batch without a ``Row`` each (but those decode compresses, ``RelocatedRequest.decode``). Returns the other rows, for ``rows``; None: every row (an evicting
         policy, checked row by row). A tracked request never asked for ``kv_policy: none`` (``rows`` yields
         no such row), and one read again from its first token is left to ``rows``, which forgets it."""
         if schedule.per_chunk or schedule.in_decode:
@@ -232,6 +320,7 @@ class Relocate(ModeState[RelocatedRequest]):
         held = list(map(_PAGES, tracked))
         relocated = np.fromiter(map(is_not, held, repeat(None)), dtype=bool, count=len(held))
         relocated &= ~np.fromiter(map(_UNCOMPRESSED, tracked), dtype=bool, count=len(held))
+        relocated &= np.fromiter(map(is_, map(_DECODE, tracked), repeat(None)), dtype=bool, count=len(held))
         index = np.flatnonzero(relocated)
         if not index.size:
             return None
@@ -272,6 +361,34 @@ class Relocate(ModeState[RelocatedRequest]):
         if evicts and self._evicts_now(row, pages, reading, shape):
             done = reading and row.prompt_len <= row.seq_len
             self._relocate(draft, row, pages, prompt_done=done, length=None if reading and not done else row.seq_len)
+            return
+        decode = self.requests[row.req_id].decode
+        if decode is None or not decode.repeats or reading or row.query_len != 1:
+            return
+        token = torch.arange(row.first_token, row.first_token + 1)
+        if decode.due(row.seq_len):
+            self._relocate(draft, row, pages, prompt_done=False, length=row.seq_len, window_idx=token, decode=True)
+        elif decode.observes(row.seq_len):
+            draft.step.window_stash.append(WindowStash(row.req_id, token))
+
+    def _decode_row(self, draft: _Draft, row: Row, batch: HostBatch, shape: StepShape) -> None:
+        """A decode row of a request still in vLLM's layout: a prompt within its budget, which decode
+        compresses (``DecodePasses``): its query is stashed in the steps before its first pass, which
+        relocates it. Any other such row stays on the stock path."""
+        request = self.track(row.req_id)
+        if request.decode is None:
+            request.decode = self.decode_passes(self.request_step(row, shape))
+            if request.decode is None:
+                request.uncompressed = True
+                return
+        decode = request.decode
+        token = torch.arange(row.first_token, row.first_token + 1)
+        if not decode.due(row.seq_len):
+            if decode.observes(row.seq_len):
+                draft.step.window_stash.append(WindowStash(row.req_id, token))
+            return
+        plan = self.plan(self.request_step(row, shape))
+        self._new_pages(draft, row, batch, shape, plan, True, token if decode.window else token[:0])
 
     def _prompt_row(self, draft: _Draft, row: Row, batch: HostBatch, shape: StepShape) -> None:
         """A chunk of a prompt not relocated yet: summed, stashed, or relocated once it is read (or over budget)."""
@@ -293,6 +410,13 @@ class Relocate(ModeState[RelocatedRequest]):
             if window_idx.numel():
                 draft.step.window_stash.append(WindowStash(row.req_id, window_idx))
             return
+        self._new_pages(draft, row, batch, shape, plan, request_step.complete, window_idx)
+
+    def _new_pages(
+        self, draft: _Draft, row: Row, batch: HostBatch, shape: StepShape, plan: RelocationPlan, done: bool, window_idx
+    ) -> None:
+        """Relocate a request in vLLM's layout into pages of its own blocks after this step's attention
+        (``done``: every token it knows is then in the cache), if its blocks others read leave it room."""
         num_blocks = shape.num_blocks(row.seq_len)
         order, shared = self.worker.writable_blocks(row.req_id, num_blocks)
         if shared and len(order) < plan.blocks:
@@ -302,7 +426,6 @@ class Relocate(ModeState[RelocatedRequest]):
         blocks = batch.block_table[row.index, :num_blocks].tolist()
         pages = self.new_pages(blocks, order, layer_base, shape)
         self.track(row.req_id).pages = pages
-        done = request_step.complete
         self._relocate(
             draft,
             row,
@@ -312,6 +435,7 @@ class Relocate(ModeState[RelocatedRequest]):
             num_tokens=plan.chooses,
             budget=plan.budget,
             window_idx=window_idx,
+            decode=self.requests[row.req_id].decode is not None,
         )
 
     def _relocate(
@@ -325,14 +449,16 @@ class Relocate(ModeState[RelocatedRequest]):
         num_tokens: int | None = None,
         budget: int | None = None,
         window_idx: torch.Tensor | None = None,
+        decode: bool = False,
     ) -> None:
         """Relocate a prompt after attention (``num_tokens``: those the policy chooses among), or run an
         eviction pass (``num_tokens`` None); ``length``: the request's once the step is done, if its prompt
-        is then read whole."""
+        is then read whole. ``decode``: a pass of ``DecodePasses`` (the policy in its ``decode_form``)."""
         self.worker.releases[row.req_id] = BlockRelease(pages, length=length, prompt_done=prompt_done)
+        policy = self.worker.policy_named(row.policy_name)
         relocation = Relocation(
             req_id=row.req_id,
-            policy=self.worker.policy_named(row.policy_name),
+            policy=decode_form(policy) if decode else policy,
             pages=pages,
             num_tokens=num_tokens,
             num_computed=None if num_tokens is None else row.seq_len,
@@ -359,15 +485,21 @@ class Relocate(ModeState[RelocatedRequest]):
 
     @staticmethod
     def plan(step: RequestStep) -> RelocationPlan | None:
-        """The mode's rule: None when the request keeps its whole prompt (no budget: the stock path);
-        else its budget and, when this step relocates it, the tokens the policy chooses among (the prompt
-        once read; the tokens so far for a policy that evicts at every chunk over budget) and the blocks
-        the relocation writes: the most a layer can keep, the output recomputed after a preemption, and a
-        spare block."""
+        """The mode's rule: None when the request keeps its whole prompt (no budget: the stock path, until
+        a decode step that relocates it: ``decode_passes``); else its budget and, when this step relocates
+        it, the tokens the policy chooses among (the prompt once read; the tokens so far for a policy that
+        evicts at every chunk over budget, or in decode) and the blocks the relocation writes: the most a
+        layer can keep, the output recomputed after a preemption, and a spare block."""
         policy = step.policy
         budget = step.config.budget_for(step.prompt_len, step.budget_arg)
         if budget is None and policy.needs_budget:
-            return None
+            decode = Relocate.decode_passes(step)
+            if decode is None or step.query_len != 1 or step.end <= step.prompt_len or not decode.due(step.end):
+                return None
+            entries = policy.layer_token_bound(decode.budget, step.end, step.num_kv_heads)
+            return RelocationPlan(
+                decode.budget, step.end, relocation_blocks(entries, step.num_kv_heads, step.block_size)
+            )
         reading = not step.complete
         if reading and not (policy.schedule.per_chunk and step.end > budget):
             return RelocationPlan(budget)
@@ -375,6 +507,26 @@ class Relocate(ModeState[RelocatedRequest]):
         heads = step.num_kv_heads
         entries = policy.layer_token_bound(budget, chooses, heads) + heads * max(step.end - chooses, 0)
         return RelocationPlan(budget, chooses, relocation_blocks(entries, heads, step.block_size))
+
+    @staticmethod
+    def decode_passes(step: RequestStep) -> DecodePasses | None:
+        """How decode compresses the request, if its prompt is within its budget (``--kv-decode-buffer``,
+        ``kv_decode_buffer``; None: it stays whole). The evicting policies' first pass comes a page past
+        the budget, as their later ones do; the others' each time the cache passes the budget and the
+        buffer, at the next page boundary. Window policies score with their window of generated queries,
+        policies that accumulate attention with the queries since the budget was crossed."""
+        config, policy = step.config, step.policy
+        budget = config.decode_budget(step.prompt_len, step.budget_arg) if config.compresses_in_decode else None
+        buffer = config.decode_buffer if step.decode_buffer_arg is None else step.decode_buffer_arg
+        if budget is None or buffer == 0:
+            return None
+        page = step.block_size
+        if policy.schedule.in_decode:
+            return DecodePasses(budget, budget + page, page, page if policy.inputs.attention else 0, repeats=False)
+        buffer = page if buffer is None else buffer
+        first = -(-(budget + buffer) // page) * page + 1
+        window = policy.window if policy.inputs.window else 0
+        return DecodePasses(budget, first, -(-buffer // page) * page, window, repeats=True)
 
     @staticmethod
     def written_blocks(step: RequestStep) -> int | None:
