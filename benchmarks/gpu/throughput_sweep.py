@@ -159,9 +159,9 @@ PRESETS["offload"] = {
 PRESETS["offload-tiny"] = {
     **PRESETS["tiny"],
     "shape": "tiny-llama-4",
-    "input_len": 1024,
+    "input_len": 512,
     "output_len": 8,
-    "budget": 256,
+    "budget": 128,
     "offload_gib": 1,
     "omnikv_args": ["--kv-filter-layers", "1", "--kv-dense-layers", "1"],
     "pools": {"pool2": {"fits": 2, "prompts": 4}},
@@ -305,10 +305,12 @@ def per_token_bytes(shape: dict) -> int:
 
 
 def pool_bytes(preset: dict, pool: str) -> int:
-    """``fits`` requests of input + output tokens, each in whole blocks of the platform's default size."""
+    """``fits`` requests of input + output tokens, each in whole blocks of the platform's default size with one block
+    more (the random dataset's prompts come out a token or two long now and then), and vLLM's null block, which no
+    request holds: so ``fits`` requests run at once without a preemption."""
     block = preset["block_size"]
-    tokens = -(-(preset["input_len"] + preset["output_len"]) // block) * block
-    return preset["pools"][pool]["fits"] * tokens * per_token_bytes(SHAPES[preset["shape"]])
+    tokens = (-(-(preset["input_len"] + preset["output_len"]) // block) + 1) * block
+    return (preset["pools"][pool]["fits"] * tokens + block) * per_token_bytes(SHAPES[preset["shape"]])
 
 
 def prepare(carry: Path) -> Path:
@@ -861,10 +863,11 @@ def run(args) -> None:
     }
     if not on_cuda:
         settings["platform_note"] = (
-            "CPU rehearsal: vLLM's CPU platform has one attention backend, no V2 model runner and no asynchronous "
-            "scheduler, so `vllm-default` here is the CPU's own default and `vllm-triton-v1` runs the same engine "
-            "(its --attention-backend TRITON_ATTN is left out). Tokens/s of a random-weight 2-layer model on a "
-            "shared 2-core CPU say nothing about speed."
+            "CPU rehearsal: vLLM's CPU platform has one attention backend, no V2 model runner and no CUDA graphs, so "
+            "`vllm-default`, `vllm-v1` and `vllm-triton-v1` run one engine here (its asynchronous scheduler kept, as "
+            "on CUDA), and kvpolicy's rows run its Triton ops in Triton's interpreter (fixed-shape decode for the "
+            "relocating policies). Tokens/s of a random-weight 2-layer model on a shared 2-core CPU say nothing "
+            "about speed."
         )
     payload = {**provenance(sys.argv), "device": None, "settings": settings, "runs": []}
     if args.resume and args.out.is_file():
