@@ -31,7 +31,8 @@ for several answers and scores the share of them found in the output (the paper'
 - ``multiquery`` (MQ-NIAH): one number for each of four words, placed the same way; all four asked for.
 - ``variables`` (VT, multi-hop tracing): ``VAR X1 = 12345``, then ``VAR X2 = X1`` and so on, four hops,
   the five statements at random depths in order in the repeated noise sentences; asked for every
-  variable that holds the value. Names are five random capitals.
+  variable that holds the value. Names are five random capitals. As in RULER, a short answered instance
+  (another chain) comes first: without it the default model answered no prompt (it repeated the noise).
 - ``common_words`` (CWE, aggregation): a numbered list of words in which ``CWE_COMMON`` words recur
   ``CWE_COMMON_FREQ`` times (RULER's 30, fewer where the list is too short for that to be a minority)
   and the others ``CWE_RARE_FREQ`` times; asked for the common ones.
@@ -465,22 +466,41 @@ class TaskBuilder:
         numbers = [self._magic_number(rng) for _ in range(NEEDLES)]
         return self._numbers_for("multiquery", length, depth, words, numbers, rng)
 
-    def variables(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+    @staticmethod
+    def _chain(rng: random.Random, taken: tuple[str, ...] = ()) -> tuple[list[str], str]:
+        """``HOPS + 1`` distinct variable names (none of ``taken``) and the value the first is assigned."""
         names: list[str] = []
         while len(names) < HOPS + 1:
             name = "".join(rng.choices(string.ascii_uppercase, k=5))
-            if name not in names and name != "VAR":
+            if name not in names and name not in taken and name != "VAR":
                 names.append(name)
-        value = str(rng.randrange(10000, 100000))
-        sources = [value, *names[:-1]]
-        depths = sorted(rng.random() for _ in names)
-        needles = [(d, f" VAR {name} = {source}.") for d, name, source in zip(depths, names, sources)]
-        head = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
-        question = (
+        return names, str(rng.randrange(10000, 100000))
+
+    @staticmethod
+    def _chain_statements(names: list[str], value: str) -> list[str]:
+        return [f" VAR {name} = {source}." for name, source in zip(names, [value, *names[:-1]])]
+
+    @staticmethod
+    def _chain_question(names: list[str], value: str) -> str:
+        return (
             f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above.\n"
             f"Answer: According to the chain of variable assignments in the text above, {len(names)} variables "
             f"are assigned the value {value}, they are:"
         )
+
+    def variables(self, length: int, depth: float, rng: random.Random) -> TaskItem:
+        shown, shown_value = self._chain(rng)
+        names, value = self._chain(rng, tuple(shown))
+        intro = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
+        # RULER's one-shot demonstration: a short instance, answered, before the task.
+        example = FILLER.join(self._chain_statements(shown, shown_value))
+        head = (
+            f"{intro}{FILLER.strip()}{example}{FILLER}{self._chain_question(shown, shown_value)} "
+            f"{', '.join(shown)}.\n\n{intro}"
+        )
+        depths = sorted(rng.random() for _ in names)
+        needles = list(zip(depths, self._chain_statements(names, value)))
+        question = self._chain_question(names, value)
         return self.fit(
             "variables", length, depth, head, needles, question, ", ".join(names), "filler", rng, tuple(names)
         )

@@ -197,13 +197,15 @@ def test_multiquery_asks_for_four_words_each_with_its_own_number(builder):
     assert len(needles) == 4 and [needles[word] for word in asked] == list(item.answers)
 
 
-def test_variables_is_one_chain_of_four_hops_in_order(builder):
+def test_variables_is_one_chain_of_four_hops_in_order_after_an_answered_example(builder):
     item = builder.build("variables", 2000, 0.5, seed=4)
-    text = builder.tokenizer.decode(item.ids)
-    statements = re.findall(r"VAR ([A-Z]{5}) = (\w+)\.", text)
-    value = text.rsplit("assigned the value ", 1)[1].split(",")[0]
+    example, task = builder.tokenizer.decode(item.ids).split("following text.\n\n")[1:]
+    statements = re.findall(r"VAR ([A-Z]{5}) = (\w+)\.", task)
+    value = task.rsplit("assigned the value ", 1)[1].split(",")[0]
     assert [name for name, _ in statements] == list(item.answers)
     assert [source for _, source in statements] == [value, *item.answers[:-1]]
+    shown = [name for name, _ in re.findall(r"VAR ([A-Z]{5}) = (\w+)\.", example)]
+    assert f"they are: {', '.join(shown)}.\n\nMemorize" in example and not set(shown) & set(item.answers)
 
 
 def test_common_words_recur_more_often_than_every_other_word(builder):
