@@ -14,6 +14,7 @@ import pytest
 from kvpolicy.offline.model import prepare_tiny
 from kvpolicy.vllm.metrics import GAUGES
 from tests.e2e.conftest import assert_same_outputs, shared_prefix_args
+from tests.e2e.test_ops_in_engine import assert_the_policy_acted
 
 BLOCK_SIZE = 128  # the default model's on CPU
 
@@ -40,6 +41,7 @@ def test_asynchronous_scheduling_gives_the_synchronous_tokens_logprobs_and_count
     synchronous = engine_run(*POLICIES[policy], *RUN, model=tiny_model)
     asynchronous = engine_run(*POLICIES[policy], *RUN, "--async-scheduling", model=tiny_model)
     assert (synchronous["async_scheduling"], asynchronous["async_scheduling"]) == (False, True)
+    assert_the_policy_acted(policy, synchronous["counters"])
     for i, (a, b) in enumerate(zip(synchronous["requests"], asynchronous["requests"], strict=True)):
         assert a == b, f"request {i} differs"
     totals = [{k: v for k, v in run["counters"].items() if k not in SNAPSHOTS} for run in (synchronous, asynchronous)]
@@ -70,6 +72,8 @@ def test_with_prefix_caching_the_asynchronous_scheduler_gives_the_synchronous_ou
     synchronous = engine_run(*args)
     asynchronous = engine_run(*args, "--async-scheduling")
     assert (synchronous["async_scheduling"], asynchronous["async_scheduling"]) == (False, True)
+    for run in (synchronous, asynchronous):
+        assert_the_policy_acted(policy, run["counters"])
     assert_same_outputs(synchronous, asynchronous)
     cached = [run["requests"][1]["cached_tokens"] for run in (synchronous, asynchronous)]
     assert cached == [synchronous_blocks * BLOCK_SIZE, asynchronous_blocks * BLOCK_SIZE]
