@@ -438,10 +438,11 @@ def watch_worker(worker) -> str:
         v2.dispatch = dispatched_v2
     try:
         from triton import knobs
-    except ImportError:
-        seen["compiled"]["(no triton)"] = 0
-    else:
+
         chained = knobs.runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):  # no Triton, or a Triton without the hook
+        seen["compiled"]["(not watched: no Triton post-compile hook)"] = 0
+    else:
 
         def compiled(**kwargs):
             seen["compiled"][getattr(kwargs.get("fn"), "name", "?")] += 1
@@ -556,7 +557,10 @@ class Probe:
             use_tqdm=False,
         )
         self.warmup_s = time.perf_counter() - start
-        self.watching = llm.collective_rpc(watch_worker)
+        try:
+            self.watching = llm.collective_rpc(watch_worker)
+        except Exception as error:  # the row's throughput is still worth its run; check() flags the missing fields
+            self.watching = f"not watched: {error!r}"
         metrics = llm.get_metrics()
         self.before = {name: metric_total(metrics, name) for name in self.COUNTERS}
         self.inter_token_before = self._inter_token(metrics)
