@@ -152,3 +152,17 @@ def test_the_decode_passes_of_each_policy():
     assert passes("adamix", prompt=300) is None, "a long prompt is compressed at its end"
     assert passes("adamix", buffer=0) is None
     assert passes("adamix", decode_buffer=0) is None
+
+
+def test_decode_passes_keep_the_same_count_in_every_head():
+    """Ada-KV's head allocation is left to prompts: a pass in decode reads every head of a layer as one tensor."""
+    from kvpolicy.policies.compose import UniformHeads
+    from kvpolicy.vllm.worker.modes.relocate import decode_form
+
+    adamix = KVPolicyConfig(policy="adamix", budget=128).make_policy()
+    uniform = decode_form(adamix)
+    assert isinstance(uniform.heads, UniformHeads) and not isinstance(adamix.heads, UniformHeads)
+    assert uniform.scorer == adamix.scorer and uniform.window == adamix.window == 16
+    assert decode_form(adamix) is uniform, "made once"
+    snapkv = KVPolicyConfig(policy="snapkv", budget=128).make_policy()
+    assert decode_form(snapkv) is snapkv
