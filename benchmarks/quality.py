@@ -184,8 +184,13 @@ def wilson(mean: float, n: int, z: float = Z95) -> tuple[float, float]:
 
 
 def prompts_needed(mean: float, half_width: float = HALF_WIDTH, z: float = Z95) -> int:
-    """Prompts for a 95% interval of ``half_width`` around ``mean`` (normal approximation, at least 1)."""
-    return max(1, math.ceil(z * z * mean * (1 - mean) / half_width**2))
+    """The fewest prompts whose Wilson interval around ``mean`` is at most ``half_width`` each side on average."""
+    n = 1
+    while True:
+        low, high = wilson(mean, n, z)
+        if high - low <= 2 * half_width:
+            return n
+        n += 1
 
 
 def family_rows(rows: list[dict], reliable: set) -> list[dict]:

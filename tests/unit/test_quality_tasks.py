@@ -239,7 +239,9 @@ def test_wilson_interval_and_the_prompts_a_five_point_interval_needs():
     low, high = wilson(0.9, 100)
     assert low == pytest.approx(0.826, abs=1e-3) and high == pytest.approx(0.945, abs=1e-3)
     assert wilson(1.0, 20)[1] == 1.0 and wilson(1.0, 20)[0] == pytest.approx(0.839, abs=1e-3)
-    assert prompts_needed(0.5) == 385 and prompts_needed(0.9) == 139 and prompts_needed(1.0) == 1
+    assert (
+        prompts_needed(0.5) == 381 and prompts_needed(0.9) == 141 and prompts_needed(1.0) == prompts_needed(0.0) == 35
+    )
 
 
 def test_family_rows_pool_the_solved_contexts_and_compare_with_the_full_cache():
