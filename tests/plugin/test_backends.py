@@ -18,6 +18,7 @@ from kvpolicy.policies.pod import LayerGroups
 from kvpolicy.vllm.internals import (
     KV_CACHE_LAYOUT_ENV,
     MODEL_RUNNER_V2_ENV,
+    PAGE_SPACE_LAYOUTS,
     AttentionBackendEnum,
     AttentionCGSupport,
     EngineArgs,
@@ -131,10 +132,16 @@ def test_on_cuda_pod_is_refused_under_a_layout_whose_blocks_interleave_their_hea
         args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="pod"))
 
 
-@pytest.mark.parametrize("policy", ["none", "adasnap", "omnikv"])
-def test_on_cuda_policies_with_pages_in_each_layer_leave_vllms_layout_alone(on_cuda, policy):
-    args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy=policy, budget=128))
+def test_on_cuda_none_leaves_vllms_layout_alone(on_cuda):
+    args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy="none"))
     assert KV_CACHE_LAYOUT_ENV not in args.os.environ
+
+
+@pytest.mark.parametrize("policy", ["adasnap", "omnikv"])
+def test_on_cuda_every_policy_that_changes_attention_takes_the_page_space_layout(on_cuda, policy):
+    """Its one-head page ids are then FlashAttention 3's page ids as they are (no conversion per call)."""
+    args._prepare_engine_args(EngineArgs(model="m"), KVPolicyConfig(policy=policy, budget=128))
+    assert args.os.environ[KV_CACHE_LAYOUT_ENV] == PAGE_SPACE_LAYOUTS[0]
 
 
 def test_pod_checks_its_grouping_and_still_refuses_tensor_parallelism():

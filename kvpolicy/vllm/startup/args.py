@@ -194,7 +194,7 @@ def _platform_worker(engine_args: EngineArgs, config: KVPolicyConfig) -> str:
             f"--kv-policy {config.policy} runs on vLLM's V1 model runner; unset {MODEL_RUNNER_V2_ENV}"
         )
     os.environ[MODEL_RUNNER_V2_ENV] = "0"
-    if config.pools_every_layer:
+    if config.changes_attention:  # one-head page ids FlashAttention 3 reads as they are (no conversion per call)
         _choose_page_space_layout(config)
     return GPU_WORKER_CLS
 
