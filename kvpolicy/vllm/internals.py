@@ -40,6 +40,14 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+#: (module, class) of the OpenAI-compatible request models whose ``vllm_xargs`` (a request's ``kv_*`` options)
+#: become ``SamplingParams.extra_args``.
+XARGS_REQUEST_MODELS = (
+    ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
+)
+
 #: Where the CPU platform's attention backend lives; we subclass its pieces.
 CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
 #: Where vLLM's Triton attention backend lives (CUDA); the CUDA backend subclasses its pieces. Its cache
@@ -252,6 +260,7 @@ NEVER_CACHE = 1 << 62
 
 
 __all__ = [
+    "XARGS_REQUEST_MODELS",
     "CUDAGraphMode",
     "AsyncEngineArgs",
     "AttentionBackendEnum",

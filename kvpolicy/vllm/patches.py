@@ -14,12 +14,14 @@ of policies. An upgrade of vLLM reads this table first.
 | ``kv_cache_utils.<KV_MEMORY_NEEDED_FUNCTIONS>`` (v1/core/kv_cache_utils.py) | ``judge_kv_memory_by`` | the start-up check that one request of ``max_model_len`` fits the pool is judged on the policy's bound |
 | ``KVCacheManager.allocate_slots``, per instance (v1/core/kv_cache_manager.py) | ``reserve_for_admissions`` | a new request is admitted only if the blocks that compressed requests will grow into stay free |
 | ``CudagraphDispatcher.dispatch``, per instance (v1/cudagraph_dispatcher.py) | ``forbid_full_graphs_while`` | no full CUDA graph for a step that reads a prompt (it has host work after attention) |
+| the ``vllm_xargs`` field type of ``internals.XARGS_REQUEST_MODELS`` (entrypoints/openai/*/protocol.py) | ``keep_request_booleans`` | typed as strings, ints, floats or lists of them, pydantic reads JSON's ``true`` as 1: ``bool`` first keeps it a boolean, which the ``kv_*`` checks refuse by name |
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,6 +111,21 @@ def replace_engine_args(hooks: EngineArgsHooks) -> None:
     for cls in (EngineArgs, AsyncEngineArgs):
         cls.__init__ = accept_options(cls.__init__)
     setattr(EngineArgs, _REPLACED, True)
+
+
+#: ``vllm_xargs``' values with ``bool`` first: pydantic keeps JSON's true a boolean, not the int 1.
+_XARGS_TYPE = dict[str, bool | str | int | float | list[bool | str | int | float]] | None
+
+
+def keep_request_booleans(models: tuple[tuple[str, str], ...]) -> None:
+    """Retype the ``vllm_xargs`` field of the request models ``(module, class)`` so a boolean stays one.
+    Before the API server declares its routes (plugins load first). Safe to call any number of times."""
+    for module, name in models:
+        model = getattr(importlib.import_module(module), name)
+        field = model.model_fields["vllm_xargs"]
+        if field.annotation != _XARGS_TYPE:
+            field.annotation = _XARGS_TYPE
+            model.model_rebuild(force=True)
 
 
 def judged_on_bound(needed, request_bound: Callable[[object], int | None]):

@@ -77,6 +77,7 @@ def test_per_request_budget_override(client, server):
         (-5, "kv_budget must be a positive integer"),
         (16, "larger than the observation window"),
         (10**6, "larger than the context limit"),
+        (True, "kv_budget is a number of tokens per KV head, not a boolean"),  # JSON's true, not 1
     ],
 )
 def test_bad_request_budget_is_rejected_and_the_server_keeps_serving(client, budget, message):
