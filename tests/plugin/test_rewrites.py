@@ -155,7 +155,8 @@ def test_the_decode_passes_of_each_policy():
 
 
 def test_decode_passes_keep_the_same_count_in_every_head():
-    """Ada-KV's head allocation is left to prompts: a pass in decode reads every head of a layer as one tensor."""
+    """Ada-KV's head allocation is left to prompts: a pass in decode reads every head of a layer as one tensor;
+    so are D2O's inverse-variance layer budgets, which the few queries of a pass in decode skew."""
     from kvpolicy.policies.compose import UniformHeads
     from kvpolicy.vllm.worker.modes.relocate import decode_form
 
@@ -166,3 +167,5 @@ def test_decode_passes_keep_the_same_count_in_every_head():
     assert decode_form(adamix) is uniform, "made once"
     snapkv = KVPolicyConfig(policy="snapkv", budget=128).make_policy()
     assert decode_form(snapkv) is snapkv
+    d2o = decode_form(KVPolicyConfig(policy="d2o", budget=128).make_policy())
+    assert d2o.layer_budgets([None] * 3, 128) == [128] * 3, "D2O's layer budgets are left to prompts too"

@@ -10,8 +10,8 @@ A prompt within its budget stays in vLLM's layout until decode takes its cache p
 (``DecodePasses``): then a decode step relocates it, choosing among every token so far with the queries of
 the steps before it, and it is brought back to its budget as it grows: by the evicting policies' own
 passes, a page over budget, or for the others by a pass each time it grows a buffer past the budget. Those
-passes keep the same count in every head of a layer (``decode_form``: Ada-KV's head allocation is left to
-prompts).
+passes keep the same count in every head of a layer and every layer (``decode_form``: Ada-KV's head
+allocation and D2O's layer budgets are left to prompts).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_slots, virtual_tokens
 from kvpolicy.policies import Policy, Schedule
-from kvpolicy.policies.compose import UniformHeads
+from kvpolicy.policies.compose import SameBudget, UniformHeads
 from kvpolicy.vllm.messages import BlockRelease
 from kvpolicy.vllm.worker.modes.base import HostBatch, ModeState, RequestStep, Row, StepShape
 from kvpolicy.vllm.worker.modes.carried import CarriedScores, CarriedState
@@ -120,17 +120,22 @@ class DecodePasses:
 
 def decode_form(policy: Policy) -> Policy:
     """The policy as decode passes apply it: the same count in every head of a layer (a head allocator
-    such as Ada-KV's would leave heads of different lengths, which the next pass could not read as one)."""
-    if isinstance(getattr(policy, "heads", UniformHeads()), UniformHeads):
+    such as Ada-KV's would leave heads of different lengths, which the next pass could not read as one),
+    and the same budget in every layer (D2O's inverse-variance budgets, from the attention of the few
+    queries a pass in decode has, left whole layers at 0)."""
+    heads, layers = getattr(policy, "heads", UniformHeads()), getattr(policy, "layers", SameBudget())
+    if isinstance(heads, UniformHeads) and not layers.across_layers:
         return policy
-    return _uniform_heads(policy)
+    return _decode_form(policy)
 
 
 @functools.cache
-def _uniform_heads(policy: Policy) -> Policy:
-    uniform = copy.copy(policy)
-    object.__setattr__(uniform, "heads", UniformHeads())
-    return uniform
+def _decode_form(policy: Policy) -> Policy:
+    form = copy.copy(policy)
+    object.__setattr__(form, "heads", UniformHeads())
+    if policy.layers.across_layers:
+        object.__setattr__(form, "layers", SameBudget())
+    return form
 
 
 @dataclass(frozen=True)
