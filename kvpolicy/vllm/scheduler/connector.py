@@ -67,31 +67,41 @@ class KVPolicyConnector(KVConnectorBase_V1):
             )
 
     def growth_blocks(self) -> int:
-        """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``);
-        a request decode compresses takes at most the blocks vLLM appends between two of its passes."""
-        growing, between_passes = [], 0
+        """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``).
+        A request decode compresses takes at most the blocks vLLM appends between two of its passes, and one
+        still in vLLM's layout (in ``_reading``, decoding) those it grows by until its first pass."""
+        growing, decoding = [], 0
         for req_id, request in self._relocated.items():
             held = held_blocks(self._kv_cache_manager, req_id)
             if held is None:  # preempted
                 continue
-            period = self._decode_period(request)
-            if period is not None:
-                between_passes += period // self._block_size + 1
+            passes = self._decode_passes(request)
+            if passes is not None:
+                decoding += passes[1] // self._block_size + 1
                 continue
             final = min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
             growing.append(GrowingRequest(*held, request.num_tokens, max(final - request.num_tokens, 0)))
-        return blocks_to_reserve(growing, self._block_size) + between_passes
+        for req_id, request in self._reading.items():
+            held = held_blocks(self._kv_cache_manager, req_id)
+            passes = self._decode_passes(request)
+            if held is None or passes is None or request.num_computed_tokens < request.num_prompt_tokens:
+                continue
+            budget, period = passes
+            first_pass = min(request.num_prompt_tokens + request.max_tokens, budget + period + self._block_size)
+            decoding += max(-(-first_pass // self._block_size) - held[1], 0)
+        return blocks_to_reserve(growing, self._block_size) + decoding
 
-    def _decode_period(self, request) -> int | None:
-        """The most tokens a request decode compresses (its prompt within its budget) grows by between two
-        passes: its buffer in whole pages, at least one (``DecodePasses``); None for any other request."""
+    def _decode_passes(self, request) -> tuple[int, int] | None:
+        """A request decode compresses (its prompt within its budget): its budget and the most tokens it grows
+        by between two passes, its buffer in whole pages, at least one (``DecodePasses``); None for others."""
         config, extra = self._config, request.sampling_params.extra_args or {}
         buffer = extra.get(REQUEST_DECODE_BUFFER_KEY, config.decode_buffer)
         if not config.compresses_in_decode or buffer == 0:
             return None
-        if config.decode_budget(request.num_prompt_tokens, extra.get(REQUEST_BUDGET_KEY)) is None:
+        budget = config.decode_budget(request.num_prompt_tokens, extra.get(REQUEST_BUDGET_KEY))
+        if budget is None:
             return None
-        return -(-max(buffer or 0, self._block_size) // self._block_size) * self._block_size
+        return budget, -(-max(buffer or 0, self._block_size) // self._block_size) * self._block_size
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
