@@ -123,7 +123,8 @@ def test_both_hosts_compress_their_requests_and_the_head_reports_both(two_hosts)
     assert sum(finished.values()) == 8 and all(count > 1 for count in finished.values()), finished  # 1 directed each
     assert compressed == finished  # every prompt is over the budget, each counted once, by its own engine
     assert all(count > 0 for count in grew("vllm:kvpolicy_released_blocks_total").values())
-    assert by_engine(after, "vllm:kvpolicy_num_requests_compressed") == {"0": 0, "1": 0}
+    # Not the gauge of compressed requests: an idle engine's last snapshot is its last step's, taken before its
+    # requests finished (a clean clone's run read {"0": 0, "1": 2} with both pools empty); the pools are above.
 
 
 def test_a_lost_host_leaves_its_requests_waiting_and_the_other_rank_serving(two_hosts):
