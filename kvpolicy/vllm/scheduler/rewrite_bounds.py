@@ -1,15 +1,9 @@
-"""Scheduler side: the blocks a step may rewrite, known when the step is scheduled.
+"""Scheduler side: the blocks a step may rewrite, evicted from vLLM's prefix cache when the step is scheduled.
 
-A relocation, PoD's layout and an offload write a request's own blocks after the step's attention; those
-blocks then hold pages, not the tokens their hashes name, and must leave vLLM's prefix cache before any
-later request can hit them. vLLM's synchronous scheduler reads each step's report (the blocks each
-request kept) before it schedules the next, and the connector evicts exactly those. Its asynchronous
-scheduler schedules step N+1 before it reads step N's report; so, there, the connector evicts, when it
-schedules step N, every block that step may rewrite. The scheduler knows then what bounds it: each
-request's length after the step, its policy and budget, and which of its blocks others share (the
-order the worker fills them in, ``write_order``). How many of them a step writes is its mode's rule
-(``ModeState.written_blocks``), the same code the worker's mode decides with; this module keeps no
-rule of its own.
+Under vLLM's asynchronous scheduler step N+1 is scheduled before step N's report arrives, so the blocks a
+relocation, PoD's layout or an offload may rewrite must leave the prefix cache in advance; how many a step
+writes is its mode's rule (``ModeState.written_blocks``), the same code the worker's mode decides with
+(docs/architecture.md has the whole story). This module keeps no rule of its own.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Relocate: a policy that keeps some tokens per KV head (the SnapKV family, streaming, keydiff, h2o, d2o,
 identity) moves a request's prompt into per-head pages, and its rows then attend per head.
 
-``RelocatedRequest`` is what the mode follows of one request; ``Relocate`` builds each step from vLLM's
-batch (which rows go per head, which prompts relocate, which chunks stash window queries); the path that
-runs the step in every layer is ``per_head_path.PerHeadPath``. ``Relocate.plan`` is the mode's rule for
-both processes: when a step relocates a request and how many of its blocks it writes.
-
-A prompt within its budget stays in vLLM's layout until decode takes its cache past the budget
-(``DecodePasses``): then a decode step relocates it, choosing among every token so far with the queries of
-the steps before it, and it is brought back to its budget as it grows: by the evicting policies' own
-passes, a page over budget, or for the others by a pass each time it grows a buffer past the budget. Those
-passes keep the same count in every head of a layer and every layer (``decode_form``: Ada-KV's head
-allocation and D2O's layer budgets are left to prompts).
+``Relocate`` builds each step from vLLM's batch (``per_head_path.PerHeadPath`` runs it in every layer);
+``Relocate.plan`` is the mode's rule for both processes: when a step relocates a request and how many of
+its blocks it writes. A prompt within its budget is relocated once decode takes its cache past the budget
+(``DecodePasses``; docs/policies.md, "A decode budget").
 """
 
 from __future__ import annotations
