@@ -168,7 +168,7 @@ class Schedule:
     ``per_chunk``: again at every prompt chunk, to the tokens kept so far plus the chunk.
     ``in_decode``: again whenever a page's worth of generated tokens is over budget (every head of a
     layer then keeps the same count). ``across_layers``: a layer's budget depends on what every layer
-    observed (``observe``, then ``layer_budgets``), so the prompt is compressed after its last layer ran.
+    observed, so the prompt is compressed after its last layer ran (``RelocatingPolicy.observes_every_layer``).
     """
 
     per_chunk: bool = False
@@ -215,6 +215,11 @@ class RelocatingPolicy(Policy):
 
     mode = Mode.RELOCATE
 
+    #: Every layer of a prompt is observed (``observe``) before any is compressed, after the last, with what
+    #: ``settle`` takes from all of them at once: D2O's layer budgets, Ada-KV's per-head counts (one host read
+    #: a prompt, not one a layer). Not part of ``family``: it changes nothing outside the step.
+    observes_every_layer: ClassVar[bool] = False
+
     def compress(self, prompt: PromptKV, budget: int | None, observation: Any = None) -> CompressedKV:
         """What one layer keeps of ``prompt`` with ``budget`` tokens per head on average; ``observation``
         is this layer's ``observe`` when the schedule sets budgets across layers."""
@@ -224,13 +229,18 @@ class RelocatingPolicy(Policy):
         """Kept token indices per KV head, ascending, int64."""
         return self.compress(prompt, budget).kept
 
-    def observe(self, prompt: PromptKV) -> Any:
-        """What ``layer_budgets`` needs of one layer, taken while its queries are at hand."""
+    def observe(self, prompt: PromptKV, budget: int | None) -> Any:
+        """What ``settle`` needs of one layer, taken while its queries are at hand."""
         return None
 
     def layer_budgets(self, observations: list[Any], budget: int) -> list[int]:
         """Each layer's budget from every layer's ``observe``; by default ``budget`` everywhere."""
         return [budget] * len(observations)
+
+    def settle(self, observations: list[Any], budget: int) -> list[tuple[int, Any]]:
+        """Each layer's budget and the observation its ``compress`` takes, once every layer observed (what the
+        layers' choices need of the device comes back here, once a prompt)."""
+        return list(zip(self.layer_budgets(observations, budget), observations))
 
     def most_kept(self, budget: int) -> int:
         """The most tokens a head of one layer keeps: ``budget`` on average, one more for rounding."""

@@ -76,9 +76,17 @@ class SameBudget(LayerAllocator):
 
 @dataclass(frozen=True)
 class HeadAllocator:
-    """How many scored tokens each head keeps of the layer's capacity."""
+    """How many scored tokens each head keeps of the layer's capacity. ``on_device``: the counts depend on
+    the scores, so the engine takes them as a device tensor (``device_counts``) in every layer and reads all
+    layers' back at once, after the last (``TokenSelector.settle``), not once a layer."""
+
+    on_device: ClassVar[bool] = False
 
     def counts(self, prompt: PromptKV, scores: torch.Tensor, capacity: int) -> list[int]:
+        raise NotImplementedError
+
+    def device_counts(self, prompt: PromptKV, scores: torch.Tensor, capacity: int) -> torch.Tensor:
+        """``counts`` as an int64 tensor where the scores are, for allocators ``on_device``."""
         raise NotImplementedError
 
 
@@ -96,6 +104,20 @@ class Rewrite:
 
     def apply(self, prompt: PromptKV, kept: list[torch.Tensor], scores: torch.Tensor | None) -> CompressedKV:
         raise NotImplementedError
+
+
+@dataclass
+class HeadChoice:
+    """What one layer keeps, before the kept positions are picked. ``split`` None: every position;
+    ``candidates`` None: the split's alone; else each head's ``counts[h]`` best of ``candidates``, the scores
+    of the positions between the split's sinks and recent ones. ``carried``: scores that go on with the kept
+    tokens. Taken while the layer's queries are at hand (``TokenSelector.observe``), ``counts`` may be a
+    device tensor until ``settle`` reads every layer's back in one read."""
+
+    split: Split | None
+    candidates: torch.Tensor | None = None
+    counts: torch.Tensor | list[int] | None = None
+    carried: torch.Tensor | None = None
 
 
 def unscored(split: Split, length: int, device: torch.device) -> torch.Tensor:
@@ -133,26 +155,45 @@ class TokenSelector(RelocatingPolicy):
             object.__setattr__(self, role, part)
 
     def compress(self, prompt: PromptKV, budget: int, observation: Any = None) -> CompressedKV:
-        scorer, length = self.scorer, prompt.num_tokens
-        carried = scorer.scores(prompt, observation) if scorer.carries_scores else None
-        split = None if length <= budget else scorer.split(prompt, budget)
-        if split is None:
+        choice = observation if isinstance(observation, HeadChoice) else self._choice(prompt, budget, observation)
+        length = prompt.num_tokens
+        if choice.split is None:
             threshold = None if self.rewrite is None else prompt.threshold
-            return CompressedKV(self.keep_all(prompt), scores=carried, threshold=threshold)
-        if budget == split.reserved and carried is None:  # nothing left to choose by score
-            fixed = unscored(split, length, prompt.keys.device)
+            return CompressedKV(self.keep_all(prompt), scores=choice.carried, threshold=threshold)
+        if choice.candidates is None:  # nothing left to choose by score
+            fixed = unscored(choice.split, length, prompt.keys.device)
             return CompressedKV([fixed for _ in range(prompt.num_heads)])
-        scores = carried if carried is not None else scorer.scores(prompt, observation)
-        candidates = scores[:, split.sinks : length - split.recent]
-        capacity = self.layers.capacity(prompt, budget - split.reserved, length - split.reserved)
-        kept = keep_best(candidates, self.heads.counts(prompt, candidates, capacity), split, length)
-        kept_scores = None if carried is None else scores.gather(1, torch.stack(kept))
+        kept = keep_best(choice.candidates, choice.counts, choice.split, length)
+        kept_scores = None if choice.carried is None else choice.carried.gather(1, torch.stack(kept))
         if self.rewrite is None:
             return CompressedKV(kept, scores=kept_scores)
         return self.rewrite.apply(prompt, kept, kept_scores)
 
-    def observe(self, prompt: PromptKV) -> Any:
-        return self.scorer.observe(prompt)
+    def _choice(self, prompt: PromptKV, budget: int | None, observation: Any, on_device: bool = False) -> HeadChoice:
+        scorer, length = self.scorer, prompt.num_tokens
+        carried = scorer.scores(prompt, observation) if scorer.carries_scores else None
+        split = None if budget is None or length <= budget else scorer.split(prompt, budget)
+        if split is None or (budget == split.reserved and carried is None):
+            return HeadChoice(split, carried=carried)
+        scores = carried if carried is not None else scorer.scores(prompt, observation)
+        candidates = scores[:, split.sinks : length - split.recent]
+        capacity = self.layers.capacity(prompt, budget - split.reserved, length - split.reserved)
+        allocate = self.heads.device_counts if on_device else self.heads.counts
+        return HeadChoice(split, candidates, allocate(prompt, candidates, capacity), carried)
+
+    def observe(self, prompt: PromptKV, budget: int | None) -> Any:
+        if not self.heads.on_device:
+            return self.scorer.observe(prompt)
+        return self._choice(prompt, budget, None, on_device=True)
+
+    def settle(self, observations: list[Any], budget: int) -> list[tuple[int, Any]]:
+        if not self.heads.on_device:
+            return super().settle(observations, budget)
+        pending = [choice for choice in observations if choice.counts is not None]
+        if pending:  # the prompt's one host read: every layer's per-head counts, which size its pages
+            for choice, counts in zip(pending, torch.stack([choice.counts for choice in pending]).tolist()):
+                choice.counts = counts
+        return [(budget, choice) for choice in observations]
 
     def layer_budgets(self, observations: list[Any], budget: int) -> list[int]:
         return self.layers.layer_budgets(observations, budget)
@@ -179,6 +220,8 @@ def compose(
     options, with the parts' values as defaults."""
     if in_decode and not isinstance(heads, UniformHeads):
         raise ValueError(f"{name}: a policy that evicts in decode keeps the same count in every head")
+    if heads.on_device and layers.across_layers:
+        raise ValueError(f"{name}: head counts settled after the last layer need the layer's capacity before it")
     parts = {"scorer": scorer, "layers": layers, "heads": heads, "rewrite": rewrite}
     options = [
         (f.name, f.type, field(default=getattr(part, f.name), metadata=f.metadata))
@@ -194,6 +237,7 @@ def compose(
         "parts": parts,
         "inputs": scorer.reads,
         "schedule": Schedule(per_chunk, in_decode, layers.across_layers),
+        "observes_every_layer": layers.across_layers or heads.on_device,
         "__doc__": doc,
         "__module__": module,
     }

@@ -51,18 +51,16 @@ def window_scores(
     return per_query_head.amax(dim=1) if group_scores == "max" else per_query_head.mean(dim=1)
 
 
-def adaptive_counts(scores: torch.Tensor, capacity: int, alpha: float) -> list[int]:
-    """Ada-KV: prefix tokens per head from a layer-wide top-k, with the alpha safeguard.
-
-    The counts come back to the host (the layer's one sync: ``heads`` int64): they size each head's
-    kept tensor and so its pages. They are tallied by ``scatter_add_``, not ``bincount``, which syncs
-    on a GPU to size its output."""
+def adaptive_counts(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tensor:
+    """Ada-KV: prefix tokens per head from a layer-wide top-k, with the alpha safeguard; [heads] int64
+    where the scores are (they reach the host when they size the pages: ``TokenSelector.settle``). Tallied
+    by ``scatter_add_``, not ``bincount``, which syncs on a GPU to size its output."""
     heads, prefix = scores.shape
     ranked = scores.reshape(-1).argsort(descending=True, stable=True)
     winners = ranked[: heads * capacity] // prefix
     counts = winners.new_zeros(heads).scatter_add_(0, winners, torch.ones_like(winners))
     floor = int(capacity * alpha)
-    return torch.round(counts * (1 - alpha) + floor).long().tolist()
+    return torch.round(counts * (1 - alpha) + floor).long()
 
 
 def pyramid_capacity(capacity: int, prefix_len: int, layer: int, num_layers: int, beta: int = 20) -> int:
@@ -121,7 +119,12 @@ class AdaKV(HeadAllocator):
         check=unit_interval,
     )
 
+    on_device = True
+
     def counts(self, prompt: PromptKV, scores: torch.Tensor, capacity: int) -> list[int]:
+        return self.device_counts(prompt, scores, capacity).tolist()
+
+    def device_counts(self, prompt: PromptKV, scores: torch.Tensor, capacity: int) -> torch.Tensor:
         return prompt.local(adaptive_counts(prompt.across_heads(scores), capacity, self.alpha))
 
 

@@ -49,11 +49,13 @@ COPIES = {"to", "copy_", "__get__"}
 
 class HostReads(TorchFunctionMode):
     """Records each host read of a ``meta`` tensor and each op mixing one with a host tensor of any size,
-    with the kvpolicy line that made it."""
+    with the kvpolicy line that made it. ``answer``: a ``.tolist()`` of a meta tensor is answered with that
+    value in every place (there is no data to read) instead of raising, so a step that reads back runs on."""
 
-    def __init__(self):
+    def __init__(self, answer: int | None = None):
         super().__init__()
         self.records: list[str] = []
+        self.answer = answer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,6 +68,8 @@ class HostReads(TorchFunctionMode):
             mixed = name not in COPIES and any(not t.is_meta and t.dim() > 0 for t in tensors)
             if name in READS or mask or mixed:
                 self.records.append(f"{name} ({'mixes host and device' if mixed else 'reads back'}) at {_caller()}")
+            if name == "tolist" and self.answer is not None:
+                return torch.full(args[0].shape, self.answer).tolist()
         return func(*args, **kwargs)
 
 
@@ -182,10 +186,10 @@ class MetaEngine:
                 if policy.inputs.attention:
                     self.mode.scores.write(layer, carried.slot, torch.zeros(KV_HEADS, kept, device=DEVICE))
 
-    def step(self, rows: list[tuple[str, int]], padding: int = 0) -> list[str]:
+    def step(self, rows: list[tuple[str, int]], padding: int = 0, answer: int | None = None) -> list[str]:
         """One step of ``rows`` (request, new tokens): built, staged and run through every layer under the shim.
         ``padding``: rows past the requests, as vLLM pads a batch it replays in a full CUDA graph (no token, length
-        0, the null block), with as many padded tokens."""
+        0, the null block), with as many padded tokens. ``answer``: what the shim answers a read back with."""
         requests = self.runner.requests
         for req_id, new in rows:
             requests[req_id].num_tokens = max(requests[req_id].num_tokens, requests[req_id].num_computed_tokens + new)
@@ -205,7 +209,7 @@ class MetaEngine:
         query = torch.empty(tokens, KV_HEADS * GROUP, HEAD_SIZE, device=DEVICE)
         key = torch.empty(tokens, KV_HEADS, HEAD_SIZE, device=DEVICE)
         out = torch.empty_like(query)
-        with HostReads() as shim:
+        with HostReads(answer) as shim:
             step = self.builder.build(cam)
             assert step is not None
             for layer, cache in zip(self.layers, self.runner.kv_caches):
@@ -231,6 +235,25 @@ def test_decode_steps_of_relocated_requests_read_nothing_back(policy):
         assert engine.step(decode) == []
     engine.add("prompt", 2 * CHUNK)
     assert engine.step([*decode, ("prompt", CHUNK)]) == [], "a prompt chunk on the stock rows beside them"
+
+
+#: Relocating policies whose choice needs host values from the device: Ada-KV's per-head counts, D2O's layer budgets.
+SETTLED_ONCE = {"adasnap", "adapyramid", "adamix", "d2o"}
+
+
+@pytest.mark.parametrize("policy", [*RELOCATING, "adapyramid"])
+def test_a_prompt_is_relocated_in_every_layer_with_at_most_one_read_back(policy):
+    """Compressing a prompt reads back only what sizes its pages, and that once for all layers (after the
+    last), not once a layer: on an H200 each read is a stall of the whole step."""
+    budget = None if policy == "identity" else BUDGET
+    engine = MetaEngine(KVPolicyConfig(policy=policy, budget=budget, window=8, page_pool="layer"))
+    engine.add("prompt", CONTEXT)
+    records = engine.step([("prompt", CONTEXT)], answer=4)
+    assert engine.worker.counters["relocated_requests"] == 1
+    if policy in SETTLED_ONCE:
+        assert len(records) == 1 and records[0].startswith("tolist (reads back) at policies/"), records
+    else:
+        assert records == []
 
 
 def test_omnikvs_filter_layers_choose_on_the_device():

@@ -281,7 +281,7 @@ def test_d2o_in_the_engine_order_observe_budget_compress_equals_the_direct_call(
     """The engine observes each layer first, budgets across layers, then compresses with the observation."""
     d2o = D2O()
     layers = [prompt, PromptKV(prompt.keys.flip(1), queries=prompt.queries, values=prompt.values)]
-    observations = [d2o.observe(p) for p in layers]
+    observations = [d2o.observe(p, 24) for p in layers]
     variances = [prompt_attention_variance(p.keys, p.queries) for p in layers]
     budgets = d2o.layer_budgets(observations, 24)
     assert budgets == layer_budgets(variances, 24)

@@ -111,7 +111,7 @@ def test_d2o_layer_budgets_from_observations_stay_on_the_inputs_device(prompt):
     """The engine's order: every layer observed, the budgets across layers, each layer compressed."""
     d2o = make_policy("d2o")
     layers = [prompt, PromptKV(prompt.keys.flip(1), queries=prompt.queries, values=prompt.values)]
-    observations = on_meta_default(lambda: [d2o.observe(layer) for layer in layers])
+    observations = on_meta_default(lambda: [d2o.observe(layer, BUDGET) for layer in layers])
     budgets = on_meta_default(lambda: d2o.layer_budgets(observations, BUDGET))
     for layer, observation, budget in zip(layers, observations, budgets):
         on_meta_default(lambda: d2o.compress(layer, budget, observation))

@@ -5,7 +5,7 @@ the layer's cache or, with one pool for every layer, of vLLM's whole KV buffer: 
 other row of the batch takes the platform's stock path. After attention, this layer relocates the prompts that
 completed, runs eviction passes and adds new tokens' attention for policies that accumulate it, all through ``KVOps``.
 Policies score where the cache is, slots go to the device once per read, and only each head's kept count comes back for
-the page table (Ada-KV's counts and D2O's budgets are one read-back each); positions stay logical, as vLLM computes
+the page table (Ada-KV's counts and D2O's budgets: one read-back a prompt, after its last layer); positions stay logical, as vLLM computes
 them.
 """
 
@@ -100,14 +100,16 @@ class PerHeadPath(ModePath):
                 queries = self.mode.take_window(relocation.req_id, layer_idx, self._rows(query, relocation.window_idx))
             prompt, slots = self._prompt(layer, kv_cache, layer_idx, relocation, queries)
             counts = relocation.num_tokens, relocation.num_computed
-            if not policy.schedule.across_layers:
+            if not policy.observes_every_layer:
                 self._compact(layer, kv_cache, layer_idx, relocation, prompt, slots, relocation.budget, None, *counts)
                 continue
-            observed = self.mode.observe(relocation.req_id, layer_idx, kv_cache, policy.observe(prompt))
+            observed = self.mode.observe(
+                relocation.req_id, layer_idx, kv_cache, policy.observe(prompt, relocation.budget)
+            )
             if layer_idx == num_layers - 1:
                 caches, observations = zip(*(observed[i] for i in range(num_layers)))
-                budgets = policy.layer_budgets(list(observations), relocation.budget)
-                for i, (cache, observation, budget) in enumerate(zip(caches, observations, budgets)):
+                settled = policy.settle(list(observations), relocation.budget)
+                for i, (cache, (budget, observation)) in enumerate(zip(caches, settled)):
                     earlier = (prompt, slots) if i == layer_idx else self._prompt(layer, cache, i, relocation, None)
                     self._compact(layer, cache, i, relocation, *earlier, budget, observation, *counts)
 
