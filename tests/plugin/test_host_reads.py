@@ -6,8 +6,8 @@ data never reaches the host. A shim records every host read of such a tensor (``
 ``.cpu()``, ``.numpy()``, truth values, ``nonzero``, a boolean mask) and every op mixing a device tensor with a host
 one. Decode steps of relocated requests (the evicting policies between their passes), OmniKV's selection, PoD's
 layout and decode (with and without tau), and steps mixing a prompt chunk on the stock rows with them, record
-nothing. Read back once per request, not per step: Ada-KV's per-head counts and D2O's layer budgets at relocation
-(``test_per_head_device.py`` relocates the others), and OmniKV's choice for offloaded rows.
+nothing. Read back once per request, not per step: Ada-KV's per-head counts and D2O's layer budgets, once for every
+layer of a relocated prompt (counted here), and OmniKV's choice for offloaded rows.
 """
 
 from __future__ import annotations

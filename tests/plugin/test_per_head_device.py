@@ -5,8 +5,8 @@ The cache here lies on the ``meta`` device, which stands for a GPU whose data ne
 raises. Fake ops hand out meta tensors and record the moves; the page table stays on the host. A prompt is relocated in
 every layer, decode steps add their weights to the carried scores, and an eviction pass repacks: every move must take
 its sources from the cache's device and its destinations from the page table. The policies that read per-head counts or
-layer budgets back (Ada-KV's allocation, D2O's layer budgets: one documented sync each) are left out;
-tests/unit/test_policy_devices.py covers their scoring.
+layer budgets back (Ada-KV's allocation, D2O's layer budgets: one read a prompt, counted in test_host_reads.py) are
+left out; tests/unit/test_policy_devices.py covers their scoring.
 """
 
 from types import SimpleNamespace
