@@ -186,6 +186,10 @@ class TokenSelector(RelocatingPolicy):
             return self.scorer.observe(prompt)
         return self._choice(prompt, budget, None, on_device=True)
 
+    @property
+    def observes_every_layer(self) -> bool:
+        return self.layers.across_layers or self.heads.on_device
+
     def settle(self, observations: list[Any], budget: int) -> list[tuple[int, Any]]:
         if not self.heads.on_device:
             return super().settle(observations, budget)
@@ -237,7 +241,6 @@ def compose(
         "parts": parts,
         "inputs": scorer.reads,
         "schedule": Schedule(per_chunk, in_decode, layers.across_layers),
-        "observes_every_layer": layers.across_layers or heads.on_device,
         "__doc__": doc,
         "__module__": module,
     }
