@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_DECODE_BUFFER_KEY, REQUEST_POLICY_KEY, KVPolicyConfig
+from kvpolicy.config import REQUEST_POLICY_KEY, KVPolicyConfig
 from kvpolicy.policies import Policy
 from kvpolicy.vllm.worker.modes import MODES, RequestStep
 
@@ -44,19 +44,9 @@ class RewriteBound:
         if policy is None or request.request_id in self.done or policy.mode not in MODES:
             return []
         mode = MODES[policy.mode].state
-        extra = request.sampling_params.extra_args or {}
-        step = RequestStep(
-            policy=policy,
-            config=self.config,
-            prompt_len=request.num_prompt_tokens,
-            num_tokens=request.num_tokens,
-            end=request.num_computed_tokens + num_scheduled,
-            query_len=num_scheduled,
-            budget_arg=extra.get(REQUEST_BUDGET_KEY),
-            num_kv_heads=self.num_kv_heads,
-            num_layers=self.num_layers,
-            block_size=self.block_size,
-            decode_buffer_arg=extra.get(REQUEST_DECODE_BUFFER_KEY),
+        end = request.num_computed_tokens + num_scheduled
+        step = RequestStep.of(
+            policy, self.config, request, end, num_scheduled, self.num_kv_heads, self.num_layers, self.block_size
         )
         written = mode.written_blocks(step)
         if written is None:

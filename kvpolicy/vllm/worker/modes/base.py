@@ -107,6 +107,17 @@ class RequestStep:
     block_size: int
     decode_buffer_arg: int | None = None  # the request's ``kv_decode_buffer``
 
+    @classmethod
+    def of(cls, policy: Policy, config: KVPolicyConfig, request, end: int, query_len: int, num_kv_heads: int,
+           num_layers: int, block_size: int) -> RequestStep:  # fmt: skip
+        """From a request as either process holds it: vLLM's scheduler ``Request`` and the runner's request
+        state both carry ``num_prompt_tokens``, ``num_tokens`` and the ``sampling_params`` with its options."""
+        extra = request.sampling_params.extra_args or {}
+        return cls(
+            policy, config, request.num_prompt_tokens, request.num_tokens, end, query_len,
+            extra.get(REQUEST_BUDGET_KEY), num_kv_heads, num_layers, block_size, extra.get(REQUEST_DECODE_BUFFER_KEY),
+        )  # fmt: skip
+
     @property
     def complete(self) -> bool:
         """Every known token is in the cache after the step (the prompt is read, or recomputed)."""
@@ -198,19 +209,9 @@ class ModeState(ABC, Generic[R]):
 
     def request_step(self, row: Row, shape: StepShape) -> RequestStep:
         """A batch row as the mode's rule reads it."""
-        return RequestStep(
-            policy=self.worker.policy_named(row.policy_name),
-            config=self.worker.config,
-            prompt_len=row.prompt_len,
-            num_tokens=row.request.num_tokens,
-            end=row.seq_len,
-            query_len=row.query_len,
-            budget_arg=row.budget_arg,
-            num_kv_heads=shape.num_kv_heads,
-            num_layers=shape.num_layers,
-            block_size=shape.block_size,
-            decode_buffer_arg=row.decode_buffer_arg,
-        )
+        policy = self.worker.policy_named(row.policy_name)
+        return RequestStep.of(policy, self.worker.config, row.request, row.seq_len, row.query_len, shape.num_kv_heads,
+                              shape.num_layers, shape.block_size)  # fmt: skip
 
     def new_request(self) -> R:
         """The state of a request the mode starts to follow at its first use (``track``)."""

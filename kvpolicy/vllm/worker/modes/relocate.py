@@ -169,15 +169,12 @@ class Relocate(ModeState[RelocatedRequest]):
         for req_id, runner_request, end in rows:
             request = self.requests.get(req_id, _UNTRACKED)
             decode = request.decode
-            row = Row(0, req_id, runner_request, 0, 1, end)
-            if decode is None and request.pages is None and not request.uncompressed and row.policy_name != "none":
+            name = Row(0, req_id, runner_request, 0, 1, end).policy_name
+            if decode is None and request.pages is None and not request.uncompressed and name != "none":
+                policy, block_size = self.worker.policy_named(name), self.fixed.shape.block_size
                 decode = self.decode_passes(
-                    RequestStep(
-                        self.worker.policy_named(row.policy_name), self.worker.config, row.prompt_len,
-                        runner_request.num_tokens, end, 1, row.budget_arg, 1, 1, self.fixed.shape.block_size,
-                        row.decode_buffer_arg,
-                    )
-                )  # fmt: skip
+                    RequestStep.of(policy, self.worker.config, runner_request, end, 1, 1, 1, block_size)
+                )
             if decode is not None and decode.repeats and (decode.due(end) or decode.observes(end)):
                 return True
         return False
