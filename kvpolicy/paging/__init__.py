@@ -14,6 +14,7 @@ from kvpolicy.paging.page_table import (
 from kvpolicy.paging.shared import (
     DecodeTables,
     DistantLogitRows,
+    LayerTables,
     SharedLayoutPlan,
     SharedPages,
     ValuePairs,
@@ -22,6 +23,7 @@ from kvpolicy.paging.shared import (
 
 __all__ = [
     "DecodeTables",
+    "LayerTables",
     "DistantLogitRows",
     "HostPagePool",
     "OffloadPlan",

@@ -211,6 +211,24 @@ class DistantLogitRows:
 
 
 @dataclass(frozen=True)
+class LayerTables:
+    """One layer's plane of ``DecodeTables``, the index arguments of its PoD decode call."""
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    value_table: torch.Tensor
+    distant_start: torch.Tensor
+    distant_count: torch.Tensor
+    read_from: torch.Tensor
+    write_to: torch.Tensor
+
+    def indices(self) -> tuple[torch.Tensor, ...]:
+        """In the kernels' order."""
+        return (self.page_table, self.seq_lens, self.value_table, self.distant_start, self.distant_count,
+                self.read_from, self.write_to)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class DecodeTables:
     """PoD's decode sequences of one step: sequence ``r * heads + h`` is head ``h`` of decode row ``r``;
     the [layers, ...] tensors hold one plane per layer (``kvpolicy_triton.pod_attention``'s arguments).
@@ -230,6 +248,12 @@ class DecodeTables:
     write_to: torch.Tensor
     logit_rows: int
     max_distant: int
+
+    def layer(self, index: int) -> LayerTables:
+        return LayerTables(
+            self.page_table[index], self.seq_lens[index], self.value_table[index], self.distant_start,
+            self.distant_count, self.read_from[index], self.write_to[index],
+        )  # fmt: skip
 
     @classmethod
     def of(cls, requests: Sequence[SharedPages], rows: DistantLogitRows) -> DecodeTables:

@@ -21,6 +21,7 @@ import torch
 
 from kvpolicy.paging import (
     DecodeTables,
+    LayerTables,
     OffloadedRequest,
     OffloadPlan,
     PageCopies,
@@ -280,35 +281,20 @@ class SharedBatch:
 
 
 @dataclass(frozen=True)
-class SharedAttention:
+class PodDecodeCall:
     """One layer's PoD decode call (``KVOps.pod_attention``, ``kvpolicy_triton.pod_attention``'s arguments):
-    sequence ``s`` is KV head ``head_of[s]`` of batch token ``token_of[s]``, over its pages in this layer."""
+    sequence ``s`` is KV head ``head_of[s]`` of batch token ``token_of[s]``, over its pages in this layer
+    (``tables``)."""
 
     token_of: torch.Tensor
     head_of: torch.Tensor
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    value_table: torch.Tensor
-    distant_start: torch.Tensor
-    distant_count: torch.Tensor
-    read_from: torch.Tensor
-    write_to: torch.Tensor
+    tables: LayerTables
     distant_logits: torch.Tensor
     tau: float | None
 
     def indices(self) -> tuple[torch.Tensor, ...]:
         """The index tensors, in the kernels' order (between the cache's geometry and ``distant_logits``)."""
-        return (
-            self.token_of,
-            self.head_of,
-            self.page_table,
-            self.seq_lens,
-            self.value_table,
-            self.distant_start,
-            self.distant_count,
-            self.read_from,
-            self.write_to,
-        )
+        return (self.token_of, self.head_of, *self.tables.indices())
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from kvpolicy.paging import DecodeTables, DistantLogitRows, SharedLayoutPlan, SharedPages, layout_blocks
 from kvpolicy.vllm.messages import BlockRelease
 from kvpolicy.vllm.worker.modes.base import HostBatch, ModePath, ModeState, RequestStep, Row, StepShape
-from kvpolicy.vllm.worker.step import HeadRows, PlatformAttend, PlatformWrite, SharedAttention, SharedBatch, SharingStep
+from kvpolicy.vllm.worker.step import HeadRows, PlatformAttend, PlatformWrite, PodDecodeCall, SharedBatch, SharingStep
 
 
 @dataclass
@@ -168,18 +168,8 @@ class SharingPath(ModePath):
                 tables.logit_rows, group, tables.max_distant, dtype=torch.float32, device=query.device
             )
         tau = self.worker.policy.tau
-        call = SharedAttention(
-            shared.rows.token_of,
-            shared.rows.head_of,
-            tables.page_table[layer_idx],
-            tables.seq_lens[layer_idx],
-            tables.value_table[layer_idx],
-            tables.distant_start,
-            tables.distant_count,
-            tables.read_from[layer_idx],
-            tables.write_to[layer_idx],
-            shared.distant_logits,
-            tau,
+        call = PodDecodeCall(
+            shared.rows.token_of, shared.rows.head_of, tables.layer(layer_idx), shared.distant_logits, tau
         )
         skipped = self.ops.pod_attention(layer, query, out, self.worker.page_space().pages, call)
         self.worker.counters["pod_distant_evaluated"] += (

@@ -19,7 +19,7 @@ import torch
 
 from kvpolicy.paging import PageCopies
 from kvpolicy.vllm.worker.ops.staging import TableMirror
-from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows, SharedAttention, Step, SummedChunk
+from kvpolicy.vllm.worker.step import AttentionBatch, HeadRows, PodDecodeCall, Step, SummedChunk
 
 
 class KVOps(ABC):
@@ -128,7 +128,7 @@ class KVOps(ABC):
         token's weight (max over query heads) summed page by page, [rows, pages] float64. One read of the
         keys where the platform's ops can."""
 
-    def pod_attention(self, layer, query, out, cache, call: SharedAttention) -> torch.Tensor:
+    def pod_attention(self, layer, query, out, cache, call: PodDecodeCall) -> torch.Tensor:
         """PoD's decode attention (eq. 3-4) of ``call``'s sequences into ``out`` [T, q_heads, D], over ``cache``
         as one-head pages of the whole KV buffer (``kvpolicy_triton.pod_attention``); returns [S, G] bool,
         the query heads whose distant part ``call.tau`` skipped."""
