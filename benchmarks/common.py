@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -171,3 +172,25 @@ def write_results(out: Path, settings: dict, rows: list[dict], columns: list[str
     plot(rows, out.with_suffix(".png"))
     print(table)
     print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+
+
+def rows_in_fresh_engines(
+    script: str, grid: list[tuple[str, list[str]]], out: Path, settings: dict, columns: list[str], plot
+) -> list[dict]:
+    """Each row of ``grid`` (a label, the arguments of ``script --run-one``) in a process and an engine of its own;
+    the results written after each row, so a long run keeps what finished. A row that fails stops the run with
+    its stderr."""
+    from tqdm import tqdm
+
+    rows = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    row_file = out.with_suffix(".row.tmp")
+    for label, argv in tqdm(grid, desc="configurations", unit="engine"):
+        cmd = [sys.executable, script, "--run-one", *argv, "--row-out", str(row_file)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(row_file.read_text()))
+        row_file.unlink()
+        write_results(out, settings, rows, columns, plot)
+    return rows

@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, policy_options, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, policy_options, rows_in_fresh_engines  # noqa: E402
 
 PRESETS = {
     "full": {"output_lens": [2048, 4096], "requests": 8},
@@ -155,25 +154,17 @@ def main() -> int:
         args.row_out.write_text(json.dumps(run_one(args)))
         return 0
 
-    from tqdm import tqdm
-
     preset = PRESETS["quick" if args.quick else "full"]
     args.requests = args.requests or preset["requests"]
     args.pool_requests = args.pool_requests or max(1, args.requests // 4)
-    grid = [(policy, n) for n in args.output_lens or preset["output_lens"] for policy in args.policies]
     settings = {key: getattr(args, key) for key in ("requests", "prompt_len", "budget", "pool_requests", "block_size")}
-    rows = []
-    row_file = args.out.with_suffix(".row.tmp")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for policy, output_len in tqdm(grid, desc="configurations", unit="engine"):
-        cmd = [sys.executable, __file__, "--run-one", "--policy", policy, "--output-len", str(output_len)]
-        cmd += ["--requests", str(args.requests), "--prompt-len", str(args.prompt_len), "--budget", str(args.budget)]
-        cmd += ["--pool-requests", str(args.pool_requests), "--block-size", str(args.block_size)]
-        cmd += ["--row-out", str(row_file)]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        rows.append(json.loads(row_file.read_text()))
-        row_file.unlink()
-        write_results(args.out, settings, rows, COLUMNS, plot)  # after each engine: a long run's partial results
+    common = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    grid = [
+        (f"{policy} x {n}", ["--policy", policy, "--output-len", str(n), *common])
+        for n in args.output_lens or preset["output_lens"]
+        for policy in args.policies
+    ]
+    rows_in_fresh_engines(__file__, grid, args.out, settings, COLUMNS, plot)
     return 0
 
 

@@ -15,14 +15,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, policy_options, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, policy_options, rows_in_fresh_engines  # noqa: E402
 
 #: Policies without a token budget: PoD keeps proximal tokens by its own --kv-recent-tokens/--kv-sink-tokens.
 UNBUDGETED = ("stock", "none", "identity", "pod")
@@ -233,61 +232,27 @@ def main() -> int:
         args.row_out.write_text(json.dumps(run_one(args)))
         return 0
 
-    from tqdm import tqdm
-
     preset = PRESETS["quick" if args.quick else args.preset]
     args.requests = args.requests or preset["requests"]
-    policies = args.policies or preset["policies"]
-    budgets = args.budgets or preset["budgets"]
-    output_lens = args.output_lens or preset["output_lens"]
-    grid = [
-        (policy, budget, output_len)
-        for output_len in output_lens
-        for policy in policies
-        for budget in ([None] if policy.partition(":")[0] in UNBUDGETED else budgets)
-    ]
-    rows = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    row_file = args.out.with_suffix(".row.tmp")
-    for policy, budget, output_len in tqdm(grid, desc="configurations", unit="engine"):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--run-one",
-            "--policy",
-            policy,
-            "--output-len",
-            str(output_len),
-            "--requests",
-            str(args.requests),
-            "--prompt-len",
-            str(args.prompt_len),
-            "--ttft-len",
-            str(args.ttft_len),
-            "--pool-mib",
-            str(args.pool_mib),
-            "--block-size",
-            str(args.block_size),
-            "--row-out",
-            str(row_file),
-        ]
-        if budget:
-            cmd += ["--budget", str(budget)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{policy}@{budget} failed:\n{proc.stderr[-3000:]}")
-        rows.append(json.loads(row_file.read_text()))
-    row_file.unlink(missing_ok=True)
-
     settings = {
         "requests": args.requests,
         "prompt_len": args.prompt_len,
         "ttft_len": args.ttft_len,
         "pool_mib": args.pool_mib,
         "block_size": args.block_size,
-        "preset": "quick" if args.quick else args.preset,
     }
-    write_results(args.out, settings, rows, COLUMNS, plot)
+    common = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    grid = [
+        (
+            f"{policy}@{budget}",
+            ["--policy", policy, "--output-len", str(n), *common, *(["--budget", str(budget)] if budget else [])],
+        )
+        for n in args.output_lens or preset["output_lens"]
+        for policy in args.policies or preset["policies"]
+        for budget in ([None] if policy.partition(":")[0] in UNBUDGETED else args.budgets or preset["budgets"])
+    ]
+    settings["preset"] = "quick" if args.quick else args.preset
+    rows_in_fresh_engines(__file__, grid, args.out, settings, COLUMNS, plot)
     return 0
 
 
