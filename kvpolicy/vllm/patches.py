@@ -24,6 +24,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpolicy.vllm.internals import (
     KV_MEMORY_NEEDED_FUNCTIONS,
@@ -161,8 +162,8 @@ def judge_kv_memory_by(request_bound: Callable[[object], int | None]) -> None:
             setattr(kv_cache_utils, name, replaced)
 
 
-def reserve_for_admissions(kv_cache_manager, reserved: Callable[[], int]) -> None:
-    """Admit a request (one that holds no block yet) only if ``reserved()`` blocks stay free besides.
+def reserve_for_admissions(kv_cache_manager, reserved: Callable[[Any], int]) -> None:
+    """Admit a request (one that holds no block yet) only if ``reserved(request)`` blocks stay free besides.
 
     ``KVCacheManager.allocate_slots`` already takes ``reserved_blocks``, blocks an allocation must leave
     free; the scheduler passes it only for asynchronous KV loads. Running requests' allocations are left
@@ -174,7 +175,7 @@ def reserve_for_admissions(kv_cache_manager, reserved: Callable[[], int]) -> Non
     @functools.wraps(allocate)
     def allocate_slots(request, *args, reserved_blocks: int = 0, **kwargs):
         if request.request_id not in holders:
-            reserved_blocks += reserved()
+            reserved_blocks += reserved(request)
         return allocate(request, *args, reserved_blocks=reserved_blocks, **kwargs)
 
     kv_cache_manager.allocate_slots = allocate_slots

@@ -61,6 +61,19 @@ def test_a_preempted_request_is_compressed_again_and_an_abort_returns_every_bloc
     assert run["kv_cache_usage_end"] == 0.0
 
 
+@pytest.mark.engine
+def test_admission_reserves_what_short_prompts_grow_to_before_their_first_pass(engine_run):
+    """The same 14-block pool with kvpolicy's admission (the default): each admitted request, and those still
+    reading their prompt, keep free the blocks they append until their first pass, so no request is preempted
+    (one was preempted here while the admitted request's own growth did not count)."""
+    flags = ("--prompt-lens", "100", "60", "100", *PROMPTS[3:], "--pool-mib", "20", "--max-model-len", "256")
+    run = engine_run("--policy", "adamix", *BUDGET, *flags)
+    assert run["preemptions"] == 0
+    assert run["counters"]["relocated_requests"] == 3
+    assert all(len(r["token_ids"]) == 150 for r in run["requests"])
+    assert run["kv_cache_usage_end"] == 0.0
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     return prepare_tiny(num_layers=3, num_heads=4, num_kv_heads=2, head_size=32)

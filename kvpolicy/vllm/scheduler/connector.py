@@ -66,10 +66,11 @@ class KVPolicyConnector(KVConnectorBase_V1):
                 config, model.get_num_kv_heads(parallel), model.get_num_layers(parallel), self._block_size
             )
 
-    def growth_blocks(self) -> int:
+    def growth_blocks(self, admitting=None) -> int:
         """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``).
         A request decode compresses takes at most the blocks vLLM appends between two of its passes, and one
-        still in vLLM's layout (in ``_reading``, decoding) those it grows by until its first pass."""
+        still in vLLM's layout (in ``_reading``, its prompt read or not) those it grows by until its first
+        pass; so does the request being admitted (``admitting``), past the blocks its prompt takes now."""
         growing, decoding = [], 0
         for req_id, request in self._relocated.items():
             held = held_blocks(self._kv_cache_manager, req_id)
@@ -83,13 +84,20 @@ class KVPolicyConnector(KVConnectorBase_V1):
             growing.append(GrowingRequest(*held, request.num_tokens, max(final - request.num_tokens, 0)))
         for req_id, request in self._reading.items():
             held = held_blocks(self._kv_cache_manager, req_id)
-            passes = self._decode_passes(request)
-            if held is None or passes is None or request.num_computed_tokens < request.num_prompt_tokens:
-                continue
-            budget, period = passes
-            first_pass = min(request.num_prompt_tokens + request.max_tokens, budget + period + self._block_size)
-            decoding += max(-(-first_pass // self._block_size) - held[1], 0)
+            if held is not None:
+                decoding += self._growth_to_first_pass(request, held[1])
+        if admitting is not None:
+            decoding += self._growth_to_first_pass(admitting, -(-admitting.num_tokens // self._block_size))
         return blocks_to_reserve(growing, self._block_size) + decoding
+
+    def _growth_to_first_pass(self, request, table: int) -> int:
+        """Blocks a request decode will compress appends past the ``table`` it holds until its first pass."""
+        passes = self._decode_passes(request)
+        if passes is None:
+            return 0
+        budget, period = passes
+        first_pass = min(request.num_prompt_tokens + request.max_tokens, budget + period + self._block_size)
+        return max(-(-first_pass // self._block_size) - table, 0)
 
     def _decode_passes(self, request) -> tuple[int, int] | None:
         """A request decode compresses (its prompt within its budget): its budget and the most tokens it grows
