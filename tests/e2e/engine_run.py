@@ -25,14 +25,22 @@ CAPTURED_LAYERS = (0, 15, 29)
 
 
 class CapturingPolicy:
-    """The engine's policy, unchanged, plus a record of its inputs and kept indices for the longest prompt."""
+    """The engine's policy, unchanged, plus a record of its inputs and kept indices for the longest prompt. A
+    policy that observes every layer first (``observes_every_layer``) sees a layer's queries when it observes
+    it and compresses it after the last layer: its inputs are those it observed."""
 
     def __init__(self, policy):
         self.policy = policy
         self.records: dict[int, dict] = {}
+        self.observed: dict[int, object] = {}
 
     def __getattr__(self, name):
         return getattr(self.policy, name)
+
+    def observe(self, prompt, budget):
+        if prompt.num_tokens == max(PROMPT_LENS):
+            self.observed[prompt.layer] = prompt
+        return self.policy.observe(prompt, budget)
 
     def keep(self, prompt, budget):
         kept = self.policy.keep(prompt, budget)
@@ -46,7 +54,8 @@ class CapturingPolicy:
 
     def _record(self, prompt, budget, kept):
         if prompt.num_tokens == max(PROMPT_LENS) and prompt.layer in CAPTURED_LAYERS:
-            seen = {name: getattr(prompt, name) for name in ("window_queries", "column_sums")}
+            inputs = self.observed.get(prompt.layer, prompt)
+            seen = {name: getattr(inputs, name) for name in ("window_queries", "column_sums")}
             self.records.setdefault(
                 prompt.layer,
                 {
