@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -212,7 +212,14 @@ class DistantLogitRows:
 
 @dataclass(frozen=True)
 class LayerTables:
-    """One layer's plane of ``DecodeTables``, the index arguments of its PoD decode call."""
+    """PoD's decode index tables, in the kernels' argument order: sequence ``r * heads + h`` is head ``h`` of
+    decode row ``r``. ``DecodeTables.stacked`` holds them with one plane per layer ([layers, ...]; the distant
+    positions are the same in every layer), ``DecodeTables.layer`` one layer's plane.
+
+    ``page_table``, ``seq_lens``: each sequence's main pages and tokens (the new one included);
+    ``value_table``: its packed distant values' pages; ``distant_start``/``distant_count``: its distant
+    positions; ``read_from``/``write_to``: its rows of the step's distant-logits buffer (-1: none).
+    """
 
     page_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -230,29 +237,18 @@ class LayerTables:
 
 @dataclass(frozen=True)
 class DecodeTables:
-    """PoD's decode sequences of one step: sequence ``r * heads + h`` is head ``h`` of decode row ``r``;
-    the [layers, ...] tensors hold one plane per layer (``kvpolicy_triton.pod_attention``'s arguments).
+    """PoD's decode tables of one step, every layer (``kvpolicy_triton.pod_attention``'s arguments); the
+    distant-logits buffer holds ``logit_rows`` rows of ``max_distant`` logits per query head."""
 
-    ``page_table``, ``seq_lens``: each sequence's main pages and tokens (the new one included);
-    ``value_table``: its packed distant values' pages; ``distant_start``/``distant_count``: its distant
-    positions; ``read_from``/``write_to``: its rows of the step's distant-logits buffer (-1: none), which
-    holds ``logit_rows`` rows of ``max_distant`` logits per query head.
-    """
-
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    value_table: torch.Tensor
-    distant_start: torch.Tensor
-    distant_count: torch.Tensor
-    read_from: torch.Tensor
-    write_to: torch.Tensor
+    stacked: LayerTables
     logit_rows: int
     max_distant: int
 
     def layer(self, index: int) -> LayerTables:
-        return LayerTables(
-            self.page_table[index], self.seq_lens[index], self.value_table[index], self.distant_start,
-            self.distant_count, self.read_from[index], self.write_to[index],
+        s = self.stacked
+        return replace(
+            s, page_table=s.page_table[index], seq_lens=s.seq_lens[index], value_table=s.value_table[index],
+            read_from=s.read_from[index], write_to=s.write_to[index],
         )  # fmt: skip
 
     @classmethod
@@ -272,7 +268,7 @@ class DecodeTables:
         def logit_row(index: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.where(index >= 0, first + index, -1).transpose(1, 0, 2).reshape(layers, seqs))
 
-        return cls(
+        stacked = LayerTables(
             page_table=torch.from_numpy(page_table),
             seq_lens=torch.from_numpy(np.concatenate([r.lengths for r in requests], axis=1).astype(np.int32)),
             value_table=torch.from_numpy(value_table),
@@ -280,6 +276,5 @@ class DecodeTables:
             distant_count=torch.tensor([r.num_distant for r in requests], dtype=torch.int32).repeat_interleave(heads),
             read_from=logit_row(rows.read[None]),
             write_to=logit_row(rows.write[None]),
-            logit_rows=len(requests) * rows.per_row,
-            max_distant=max(r.num_distant for r in requests),
         )
+        return cls(stacked, logit_rows=len(requests) * rows.per_row, max_distant=max(r.num_distant for r in requests))

@@ -224,7 +224,8 @@ def test_decode_tables_stack_each_requests_pages_and_logit_rows():
         pages.layout(LENGTH, distant)
         pages.append()  # a full page in every lowest (layer, head): a new page there
         requests.append(pages)
-    tables = DecodeTables.of(requests, rows)
+    all_tables = DecodeTables.of(requests, rows)
+    tables = all_tables.stacked
     for r, pages in enumerate(requests):
         for layer in range(LAYERS):
             for h in range(HEADS):
@@ -241,4 +242,5 @@ def test_decode_tables_stack_each_requests_pages_and_logit_rows():
         assert tables.distant_count[r * HEADS : (r + 1) * HEADS].tolist() == [pages.num_distant] * HEADS
     assert tables.write_to.tolist() == [[0, -1, 2, -1], [-1, 1, -1, 3], [-1, -1, -1, -1]]
     assert tables.read_from.tolist() == [[-1, -1, -1, -1], [0, -1, 2, -1], [0, 1, 2, 3]]
-    assert (tables.logit_rows, tables.max_distant) == (4, 54)
+    assert (all_tables.logit_rows, all_tables.max_distant) == (4, 54)
+    assert torch.equal(all_tables.layer(1).page_table, tables.page_table[1])
