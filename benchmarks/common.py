@@ -49,6 +49,35 @@ def passkey_prompts(tokenizer, depths: list[float], length: int, question: str =
     return items
 
 
+#: A request's ``extra_args`` key: token ids its first steps sample, whatever the model prefers.
+FORCE_KEY = "force_token_ids"
+
+
+def forcing_processor():
+    """vLLM's logits-processor class for teacher forcing (``FORCE_KEY``); built here, not imported, so an engine
+    in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) can load it. Past the forced ids the model decides."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForceTokens(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            forced = (params.extra_args or {}).get(FORCE_KEY)
+            if forced is None:
+                return None
+
+            def force(output_ids, logits):
+                if len(output_ids) < len(forced):
+                    logits.fill_(float("-inf"))
+                    logits[forced[len(output_ids)]] = 0.0
+                return logits
+
+            return force
+
+    return ForceTokens
+
+
 def _option_value(text: str):
     """A spec's option value as the config field wants it: a boolean, an int, a float, or the text."""
     if text.lower() in ("true", "false"):

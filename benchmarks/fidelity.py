@@ -23,7 +23,9 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 from benchmarks.common import (  # noqa: E402
+    FORCE_KEY,
     RESULTS_DIR,
+    forcing_processor,
     haystack_prompts,
     model_folder,
     passkey_prompts,
@@ -43,7 +45,6 @@ PREFILL_CHUNK = 512
 TOP_LOGPROBS = 20
 PASSKEY_LEN = 3000
 PASSKEY_ANSWER_TOKENS = 12
-FORCE_KEY = "force_token_ids"
 COLUMNS = ["policy", "budget", "top1_agreement", "mean_kl", "passkey_accuracy", "passkey_hits"]
 
 
@@ -53,28 +54,8 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the logits processor class is defined here
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
     import kvpolicy.vllm  # noqa: F401
-
-    class ForceTokens(AdapterLogitsProcessor):
-        """Teacher forcing: the request's ``force_token_ids`` are sampled, whatever the model prefers."""
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def new_req_logits_processor(self, params):
-            forced = (params.extra_args or {}).get(FORCE_KEY)
-            if forced is None:
-                return None
-
-            def force(output_ids, logits):
-                token = forced[len(output_ids)]
-                logits.fill_(float("-inf"))
-                logits[token] = 0.0
-                return logits
-
-            return force
 
     stock = policy == "stock"
     llm = LLM(
@@ -86,7 +67,7 @@ def run_engine(tasks: dict, policy: str, budgets: list[int], model: str | None) 
         max_num_batched_tokens=PREFILL_CHUNK,
         kv_cache_memory_bytes=2 << 30,
         seed=0,
-        logits_processors=[ForceTokens],
+        logits_processors=[forcing_processor()],
         **({} if stock else policy_options(policy)),
         **({"kv_budget": max(budgets)} if budgets else {}),
     )

@@ -29,7 +29,7 @@ PRESETS = {
     "full": {"output_lens": [2048, 4096], "requests": 8},
     "quick": {"output_lens": [1024], "requests": 8},
 }
-POLICIES = ["stock", "adamix", "keydiff", "h2o"]
+POLICIES = ["stock", "adamix", "rkv", "keydiff", "h2o"]
 COLUMNS = [
     "policy",
     "output_len",

@@ -21,6 +21,7 @@ from kvpolicy.policies.keydiff import KeyDiff
 from kvpolicy.policies.omnikv import OmniKV
 from kvpolicy.policies.passthrough import IdentityPolicy, NoPolicy
 from kvpolicy.policies.pod import PoD
+from kvpolicy.policies.rkv import RKV
 from kvpolicy.policies.snapkv import AdaPyramid, AdaSnapKV, PyramidKV, SnapKV
 from kvpolicy.policies.streaming import StreamingLLM
 
@@ -34,6 +35,7 @@ POLICIES: dict[str, type[Policy]] = {
         PyramidKV,
         AdaPyramid,
         AdaMix,
+        RKV,
         StreamingLLM,
         KeyDiff,
         H2O,

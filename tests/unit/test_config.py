@@ -9,7 +9,7 @@ from kvpolicy.policies import POLICIES, IdentityPolicy, PromptKV
 def test_unknown_policy_lists_the_valid_ones():
     with pytest.raises(
         KVPolicyConfigError,
-        match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, snapkv, streaming",
+        match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, rkv, snapkv, streaming",
     ):
         KVPolicyConfig(policy="bogus")
 
@@ -220,7 +220,7 @@ def test_pool_kernel_is_the_policys_own_unless_given():
         ({"kv_budget": 128, "kv_ratio": 0.5}, "unknown request option 'kv_ratio'"),
         (
             {"kv_policy": "keydiff"},
-            r"kv_policy 'keydiff' cannot be served .*--kv-policy adasnap.*none, adamix, adapyramid, adasnap, pyramid, snapkv",
+            r"kv_policy 'keydiff' cannot be served .*--kv-policy adasnap.*none, adamix, adapyramid, adasnap, pyramid, rkv, snapkv",
         ),
         ({"kv_policy": 3}, "kv_policy 3 cannot be served"),
         ({"kv_policy": "none", "kv_budget": 64}, "kv_budget does not apply to a request with kv_policy 'none'"),
