@@ -15,8 +15,9 @@ Each prompt is within the budget, so a policy compresses only once decode takes 
   not choose the key), so the key sits among the generated tokens that decode compresses. Kept only where the
   full cache answers >= 0.8 (``recall_solvable``).
 
-Prompts and keys come from ``--seed``; nothing here was tuned (the buffer is the default, the budget a quarter of
-the output), so any seed reports. One engine per policy and one more that scores. Writes
+Prompts and keys come from ``--seed``: on seed 1 the full cache missed the key at depth 0.25 under the fidelity
+benchmark's question, so the task asks in the quality harness's ``Answer:`` form; reported runs use seed 2. The
+policies' settings were not tuned (the buffer is the default, the budget a quarter of the output). One engine per policy and one more that scores. Writes
 ``benchmarks/results/long_output_quality.json``, a table and a plot.
 """
 
@@ -33,8 +34,8 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
 from benchmarks.common import (  # noqa: E402
+    ANSWER_QUESTION,
     FORCE_KEY,
-    QUESTION,
     RESULTS_DIR,
     forcing_processor,
     model_folder,
@@ -68,7 +69,7 @@ def make_tasks(tokenizer, prompts: int, output_len: int, seed: int) -> dict:
         start = rng.randrange(len(ids) - length)
         return ids[start : start + length]
 
-    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    question = tokenizer(ANSWER_QUESTION, add_special_tokens=False)["input_ids"]
     base = [text(PROMPT_LEN) for _ in range(prompts)]
     recall = []
     for prompt in base:
@@ -161,7 +162,11 @@ def in_engine(work: Path, tasks: dict, policy: str, budget: int | None, score: l
 
 def recall_row(answers: list[str], items: list[dict]) -> dict:
     hits = [item["key"] in answer for answer, item in zip(answers, items)]
-    return {"recall": sum(hits) / len(hits), "recall_hits": "".join("x" if hit else "." for hit in hits)}
+    return {
+        "recall": sum(hits) / len(hits),
+        "recall_hits": "".join("x" if hit else "." for hit in hits),
+        "recall_answers": answers,
+    }
 
 
 def mean(values: list[float]) -> float:
@@ -191,7 +196,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None, help="default: a quarter of --output-len")
-    parser.add_argument("--seed", type=int, default=1, help="prompts and keys")
+    parser.add_argument("--seed", type=int, default=2, help="prompts and keys (1: the tuning prompts)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--run-one", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
