@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpolicy.policies.base import Inputs, PromptKV
-from kvpolicy.policies.compose import Scorer, Split, compose
-from kvpolicy.policies.options import option, positive, positive_odd, unit_interval
+from kvpolicy.policies.base import PromptKV
+from kvpolicy.policies.compose import compose
+from kvpolicy.policies.options import option, unit_interval
+from kvpolicy.policies.snapkv import WindowScorer
 
 #: Rows of the cosine matrix built at a time: a long prompt's n x n matrix never exists whole.
 SIMILARITY_ROWS = 256
@@ -58,14 +59,9 @@ def redundancy_scores(keys: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RedundancyAware(Scorer):
+class RedundancyAware(WindowScorer):
     """``lambda * importance - (1 - lambda) * redundancy`` of the tokens before the window, which is kept."""
 
-    reads = Inputs(window=True)
-    window: int = option(
-        32, "observation window: the last prompt queries that score tokens, always kept", check=positive, strict=False
-    )
-    pool_kernel: int = option(7, "max-pooling kernel over token scores, odd", check=positive_odd, strict=False)
     importance_weight: float = option(
         0.1,
         "R-KV's lambda: attention importance's weight against key redundancy (1: attention only)",
@@ -77,11 +73,6 @@ class RedundancyAware(Scorer):
         "counted redundant for it",
         check=unit_interval,
     )
-
-    def split(self, prompt: PromptKV, budget: int) -> Split | None:
-        if budget <= self.window:
-            return None
-        return Split(0, prompt.window_queries.shape[1], self.window)
 
     def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
         importance = importance_scores(prompt.keys, prompt.window_queries, self.pool_kernel)

@@ -75,15 +75,28 @@ def pyramid_capacity(capacity: int, prefix_len: int, layer: int, num_layers: int
 
 
 @dataclass(frozen=True)
-class ObservationWindow(Scorer):
-    """SnapKV's scorer: the last ``window`` prompt queries' attention over the prefix, max-pooled; the
-    window itself is always kept and takes ``window`` tokens of the budget."""
+class WindowScorer(Scorer):
+    """A scorer of the last ``window`` prompt queries' attention, max-pooled: the window itself is always kept and
+    takes ``window`` tokens of the budget (SnapKV's split, which R-KV's scorer shares)."""
 
     reads = Inputs(window=True)
     window: int = option(
         32, "observation window: the last prompt queries that score tokens, always kept", check=positive, strict=False
     )
     pool_kernel: int = option(7, "max-pooling kernel over token scores, odd", check=positive_odd, strict=False)
+
+    def split(self, prompt: PromptKV, budget: int) -> Split | None:
+        if budget <= self.window:
+            return None
+        # Fewer window queries than ``window`` when a prefix-cache hit reached into the window
+        # (the engine computed only the rest): the window is what was observed.
+        return Split(0, prompt.window_queries.shape[1], self.window)
+
+
+@dataclass(frozen=True)
+class ObservationWindow(WindowScorer):
+    """SnapKV's scorer: the last ``window`` prompt queries' attention over the prefix, max-pooled."""
+
     pool_shift: int = option(
         0,
         "moves the max-pooling window this many tokens back, so a high score keeps more of the tokens after it "
@@ -97,13 +110,6 @@ class ObservationWindow(Scorer):
         check=one_of("mean", "max"),
         strict=False,
     )
-
-    def split(self, prompt: PromptKV, budget: int) -> Split | None:
-        if budget <= self.window:
-            return None
-        # Fewer window queries than ``window`` when a prefix-cache hit reached into the window
-        # (the engine computed only the rest): the window is what was observed.
-        return Split(0, prompt.window_queries.shape[1], self.window)
 
     def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
         return window_scores(prompt.keys, prompt.window_queries, self.pool_kernel, self.pool_shift, self.group_scores)
