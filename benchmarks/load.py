@@ -4,9 +4,11 @@
     python benchmarks/load.py                   # 1,000 requests, 16 at a time
     python benchmarks/load.py --url http://127.0.0.1:8000   # a server already running (`make serve`)
     python benchmarks/load.py --dashboard       # also scrape with a real Prometheus and plot the dashboard's panels
+    python benchmarks/load.py --long            # short prompts, 256-1,536 output tokens, a pool that preempts
 
-Without ``--url`` it starts ``vllm serve --kv-policy adasnap --kv-budget 256`` on loopback. A seeded mix of lengths,
-streaming, per-request options, client aborts and bad inputs (each a 400); then the KV pool must be empty and the server
+Without ``--url`` it starts ``vllm serve --kv-policy adasnap --kv-budget 256`` on loopback (``--long``: the default
+policy, ``adamix``, and a KV pool that holds four of its requests uncompressed). A seeded mix of lengths, streaming,
+per-request options, client aborts and bad inputs (each a 400); then the KV pool must be empty and the server
 answering. Writes ``benchmarks/results/load.json``, a table and a plot; the mix: docs/operations.md#the-load-test.
 """
 
@@ -19,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
@@ -42,7 +44,21 @@ SERVER_ARGS = [
 ]
 MAX_MODEL_LEN = 4096
 #: Prompt tokens -> share of the prompts: mostly short, as chat traffic is; every length is over the 256 budget.
-PROMPT_LENGTHS = {300: 0.5, 800: 0.35, 2000: 0.15}
+PROMPT_LENGTHS = ((300, 0.5), (800, 0.35), (2000, 0.15))
+#: The long-output preset: prompts within the budget (compressed only once decode takes them past it) and some over.
+LONG_PROMPT_LENGTHS = ((200, 0.75), (800, 0.25))
+#: float32 K and V of SmolLM2-135M (30 layers, 3 KV heads of 64) for one 128-token block.
+BLOCK_BYTES = 128 * 2 * 30 * 3 * 64 * 4
+#: The long preset's server: the default policy, and a pool of 48 blocks: four requests of 200 + 1,536 tokens.
+LONG_SERVER_ARGS = [
+    *SERVER_ARGS[: SERVER_ARGS.index("--kv-policy")],
+    "--kv-policy",
+    "adamix",
+    "--kv-budget",
+    "256",
+    "--kv-cache-memory-bytes",
+    str(48 * BLOCK_BYTES),
+]
 #: Each bad input: the ``vllm_xargs`` or prompt it sends, and what the 400 must say.
 BAD_INPUTS = [
     ({"kv_budgt": 128}, "unknown request option 'kv_budgt'"),
@@ -53,7 +69,9 @@ BAD_INPUTS = [
     ({"kv_budget": 10**9}, "larger than the context limit"),
     ("oversized", "maximum context length"),
 ]
-GOOD_OPTIONS = [None, {"kv_budget": 64}, {"kv_budget": 512}, {"kv_policy": "none"}, {"kv_policy": "snapkv"}, None]
+GOOD_OPTIONS = (None, {"kv_budget": 64}, {"kv_budget": 512}, {"kv_policy": "none"}, {"kv_policy": "snapkv"}, None)
+#: Long outputs: another budget, a request kept whole in decode, another policy that compresses in decode.
+LONG_OPTIONS = (None, None, {"kv_budget": 128}, {"kv_decode_buffer": 0}, {"kv_policy": "snapkv"}, None)
 OUTCOMES = ("ok", "aborted", "rejected", "4xx", "5xx", "error")
 COLUMNS = [
     "requests",
@@ -66,6 +84,9 @@ COLUMNS = [
     "p50_s",
     "p99_s",
     "wall_s",
+    "output_tokens",
+    "preemptions",
+    "eviction_passes",
     "pool_empty",
     "still_serving",
     "passed",
@@ -80,12 +101,30 @@ class LoadSettings:
     abort_fraction: float = 0.2
     stream_fraction: float = 0.5
     max_tokens: tuple[int, int] = (4, 32)
+    #: A streamed request to abort closes its stream after this many chunks (drawn in the range).
+    abort_after: tuple[int, int] = (2, 2)
+    #: Generate ``max_tokens`` whatever the model writes (the long outputs the pool must hold).
+    ignore_eos: bool = False
+    prompt_lengths: tuple[tuple[int, float], ...] = PROMPT_LENGTHS
+    options: tuple[dict | None, ...] = GOOD_OPTIONS
+    server_args: tuple[str, ...] = tuple(SERVER_ARGS)
     seed: int = 0
 
 
 PRESETS = {
     "quick": LoadSettings(requests=24, concurrency=8, bad_fraction=0.25),
     "full": LoadSettings(requests=1000, concurrency=16),
+    "long": LoadSettings(
+        requests=40,
+        concurrency=12,
+        bad_fraction=0.1,
+        max_tokens=(256, 1536),
+        abort_after=(2, 1000),
+        ignore_eos=True,
+        prompt_lengths=LONG_PROMPT_LENGTHS,
+        options=LONG_OPTIONS,
+        server_args=tuple(LONG_SERVER_ARGS),
+    ),
 }
 
 
@@ -99,12 +138,15 @@ class LoadRequest:
     abort: bool
     max_tokens: int
     expect: str | None = None  # for bad inputs: what the 400 must say
+    abort_after: int = 2  # chunks streamed before an aborting client closes the stream
+    ignore_eos: bool = False
 
 
 def plan_requests(settings: LoadSettings, tokenizer) -> list[LoadRequest]:
     """The request mix, fixed by the seed; bad inputs take turns."""
     rng = random.Random(settings.seed)
-    haystack = {length: haystack_prompts(tokenizer, [length] * 4) for length in PROMPT_LENGTHS}
+    lengths = dict(settings.prompt_lengths)
+    haystack = {length: haystack_prompts(tokenizer, [length] * 4) for length in {*lengths, 300}}
     oversized = haystack_prompts(tokenizer, [MAX_MODEL_LEN + 100])[0]
     planned = []
     for index in range(settings.requests):
@@ -118,13 +160,15 @@ def plan_requests(settings: LoadSettings, tokenizer) -> list[LoadRequest]:
             continue
         stream = rng.random() < settings.stream_fraction
         abort = stream and rng.random() < settings.abort_fraction / settings.stream_fraction
-        options = GOOD_OPTIONS[rng.randrange(len(GOOD_OPTIONS))]
-        if rng.random() < 0.25:
-            planned.append(LoadRequest(index, "chat", None, options, stream, abort, max_tokens))
-        else:
-            length = rng.choices(list(PROMPT_LENGTHS), weights=list(PROMPT_LENGTHS.values()))[0]
-            prompt = rng.choice(haystack[length])
-            planned.append(LoadRequest(index, "prompt", prompt, options, stream, abort, max_tokens))
+        options = settings.options[rng.randrange(len(settings.options))]
+        kind, prompt = "chat", None
+        if rng.random() >= 0.25:
+            length = rng.choices(list(lengths), weights=list(lengths.values()))[0]
+            kind, prompt = "prompt", rng.choice(haystack[length])
+        abort_after = min(rng.randint(*settings.abort_after), max_tokens - 1)
+        planned.append(
+            LoadRequest(index, kind, prompt, options, stream, abort, max_tokens, None, abort_after, settings.ignore_eos)
+        )
     return planned
 
 
@@ -132,12 +176,18 @@ async def send(client, request: LoadRequest) -> dict:
     """One request through the OpenAI client: its outcome and latency."""
     import openai
 
-    extra_body = {"vllm_xargs": request.options} if request.options else None
+    extra_body = {"vllm_xargs": request.options} if request.options else {}
+    if request.ignore_eos:
+        extra_body["ignore_eos"] = True
     common = dict(
-        model=SERVED_NAME, max_tokens=request.max_tokens, temperature=0, stream=request.stream, extra_body=extra_body
+        model=SERVED_NAME,
+        max_tokens=request.max_tokens,
+        temperature=0,
+        stream=request.stream,
+        extra_body=extra_body or None,
     )
     start = time.perf_counter()
-    outcome, detail = "ok", None
+    outcome, detail, tokens = "ok", None, 0
     try:
         if request.kind == "chat":
             messages = [{"role": "user", "content": f"Name a city in country number {request.index % 50}."}]
@@ -145,13 +195,14 @@ async def send(client, request: LoadRequest) -> dict:
         else:
             reply = await client.completions.create(prompt=request.prompt, **common)
         if request.stream:
-            chunks = 0
             async for _ in reply:
-                chunks += 1
-                if request.abort and chunks == 2:
+                tokens += 1
+                if request.abort and tokens == request.abort_after:
                     await reply.close()
                     outcome = "aborted"
                     break
+        else:
+            tokens = reply.usage.completion_tokens
     except openai.BadRequestError as error:
         detail = str(error)
         outcome = "rejected" if request.kind == "bad" and request.expect in detail else "4xx"
@@ -166,6 +217,7 @@ async def send(client, request: LoadRequest) -> dict:
         "kind": request.kind,
         "outcome": outcome,
         "latency_s": time.perf_counter() - start,
+        "tokens": tokens,
         "detail": detail,
     }
 
@@ -228,12 +280,23 @@ def percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """A counter's increase over the load, summed over its label sets."""
+
+    def total(samples: dict[str, float]) -> float:
+        return sum(value for key, value in samples.items() if key.split("{")[0] == name)
+
+    return total(after) - total(before)
+
+
 def run(base: str, settings: LoadSettings, tokenizer) -> tuple[dict, list[dict]]:
     """The load against ``base``: the summary row and every request's result."""
     planned = plan_requests(settings, tokenizer)
+    before = scrape(base)
     start = time.perf_counter()
     results = asyncio.run(drive(base, planned, settings.concurrency))
     wall = time.perf_counter() - start
+    after = scrape(base)
     counts = {outcome: sum(r["outcome"] == outcome for r in results) for outcome in OUTCOMES}
     latencies = [r["latency_s"] for r in results if r["outcome"] == "ok"]
     summary = {
@@ -242,6 +305,9 @@ def run(base: str, settings: LoadSettings, tokenizer) -> tuple[dict, list[dict]]
         "p50_s": percentile(latencies, 50),
         "p99_s": percentile(latencies, 99),
         "wall_s": wall,
+        "output_tokens": sum(r["tokens"] for r in results),
+        "preemptions": counter_delta(before, after, "vllm:num_preemptions_total"),
+        "eviction_passes": counter_delta(before, after, "vllm:kvpolicy_eviction_passes_total"),
         "pool_empty": pool_empty(base),
         "still_serving": still_serving(base),
     }
@@ -308,22 +374,25 @@ def plot_dashboard(prometheus, start: float, end: float, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="24 requests, 8 at a time (the CI version)")
+    parser.add_argument("--long", action="store_true", help="40 requests of long outputs, a pool that preempts")
     parser.add_argument("--requests", type=int, help="override the preset's request count")
     parser.add_argument("--concurrency", type=int, help="override the preset's concurrency")
     parser.add_argument("--url", help="a running server's base URL (default: start one on loopback)")
     parser.add_argument("--dashboard", action="store_true", help="scrape with a real Prometheus; plot every panel")
-    parser.add_argument("--out", type=Path, help="default: results/load.json (quick: load_quick.json)")
+    parser.add_argument(
+        "--out", type=Path, help="default: results/load.json (quick: load_quick.json; long: load_long.json)"
+    )
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
     from kvpolicy.offline.model import prepare
 
-    preset = "quick" if args.quick else "full"
+    preset = "quick" if args.quick else "long" if args.long else "full"
     settings = PRESETS[preset]
     overrides = {"requests": args.requests, "concurrency": args.concurrency}
-    settings = LoadSettings(**{**asdict(settings), **{k: v for k, v in overrides.items() if v}})
-    out = args.out or RESULTS_DIR / ("load_quick.json" if args.quick else "load.json")
+    settings = replace(settings, **{k: v for k, v in overrides.items() if v})
+    out = args.out or RESULTS_DIR / {"quick": "load_quick.json", "long": "load_long.json"}.get(preset, "load.json")
     model = prepare()
     tokenizer = AutoTokenizer.from_pretrained(str(model))
 
@@ -340,14 +409,22 @@ def main() -> None:
             plot_dashboard(prometheus, start, time.time(), out.with_name(out.stem + "_dashboard.png"))
         return outcome
 
+    kv_cache_gib = None if "--kv-cache-memory-bytes" in settings.server_args else 2
     if args.url:
         summary, results = load(args.url)
     else:
-        with tempfile.TemporaryDirectory() as tmp, vllm_server(model, SERVER_ARGS, Path(tmp) / "vllm.log", 2) as base:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            vllm_server(model, list(settings.server_args), Path(tmp) / "vllm.log", kv_cache_gib) as base,
+        ):
             summary, results = load(base)
     for failure in summary["failures"]:
         print(f"request {failure['index']} ({failure['kind']}): {failure['outcome']}: {failure['detail']}")
-    settings_out = {**asdict(settings), "preset": preset, "server": args.url or " ".join(["vllm serve", *SERVER_ARGS])}
+    settings_out = {
+        **asdict(settings),
+        "preset": preset,
+        "server": args.url or " ".join(["vllm serve", *settings.server_args]),
+    }
     write_results(out, settings_out, [summary], COLUMNS, lambda rows, path: plot(rows, path, results))
     sys.exit(0 if summary["passed"] else 1)
 

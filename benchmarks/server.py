@@ -24,12 +24,17 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(
-    model: Path, args: list[str], log_path: Path, kv_cache_gib: int = 1, env: dict[str, str] | None = None
+    model: Path, args: list[str], log_path: Path, kv_cache_gib: int | None = 1, env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """``vllm serve model *args`` on a free loopback port (``env``: variables set for it); yields its base URL
-    once ``/health`` answers."""
+    once ``/health`` answers. ``kv_cache_gib`` None: the pool ``args`` size (vLLM's CPU worker takes
+    ``VLLM_CPU_KVCACHE_SPACE`` over ``--kv-cache-memory-bytes``)."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), **(env or {}))
+    env = dict(os.environ, **(env or {}))
+    if kv_cache_gib is None:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     cmd = [
         str(Path(sys.executable).parent / "vllm"),
         "serve",
