@@ -107,6 +107,10 @@ def policy_options(spec: str) -> dict:
     return options
 
 
+#: float32 K and V of the default model, SmolLM2-135M (30 layers, 3 KV heads of 64): bytes per token.
+TOKEN_BYTES = 2 * 30 * 3 * 64 * 4
+
+
 def metric_total(metrics, name: str) -> float:
     """A Prometheus metric from ``LLM.get_metrics()``, summed over its label sets."""
     return sum(m.value for m in metrics if m.name == name)

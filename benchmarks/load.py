@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, TOKEN_BYTES, haystack_prompts, write_results  # noqa: E402
 from benchmarks.server import scrape, vllm_server  # noqa: E402
 
 SERVED_NAME = "smollm2"
@@ -45,10 +45,10 @@ SERVER_ARGS = [
 MAX_MODEL_LEN = 4096
 #: Prompt tokens -> share of the prompts: mostly short, as chat traffic is; every length is over the 256 budget.
 PROMPT_LENGTHS = ((300, 0.5), (800, 0.35), (2000, 0.15))
+#: The prompt a bad input sends (its options, not its length, make it bad).
+BAD_PROMPT_LEN = 300
 #: The long-output preset: prompts within the budget (compressed only once decode takes them past it) and some over.
 LONG_PROMPT_LENGTHS = ((200, 0.75), (800, 0.25))
-#: float32 K and V of SmolLM2-135M (30 layers, 3 KV heads of 64) for one 128-token block.
-BLOCK_BYTES = 128 * 2 * 30 * 3 * 64 * 4
 #: The long preset's server: the default policy, and a pool of 48 blocks: four requests of 200 + 1,536 tokens.
 LONG_SERVER_ARGS = [
     *SERVER_ARGS[: SERVER_ARGS.index("--kv-policy")],
@@ -57,7 +57,7 @@ LONG_SERVER_ARGS = [
     "--kv-budget",
     "256",
     "--kv-cache-memory-bytes",
-    str(48 * BLOCK_BYTES),
+    str(48 * 128 * TOKEN_BYTES),
 ]
 #: Each bad input: the ``vllm_xargs`` or prompt it sends, and what the 400 must say.
 BAD_INPUTS = [
@@ -146,7 +146,7 @@ def plan_requests(settings: LoadSettings, tokenizer) -> list[LoadRequest]:
     """The request mix, fixed by the seed; bad inputs take turns."""
     rng = random.Random(settings.seed)
     lengths = dict(settings.prompt_lengths)
-    haystack = {length: haystack_prompts(tokenizer, [length] * 4) for length in {*lengths, 300}}
+    haystack = {length: haystack_prompts(tokenizer, [length] * 4) for length in {*lengths, BAD_PROMPT_LEN}}
     oversized = haystack_prompts(tokenizer, [MAX_MODEL_LEN + 100])[0]
     planned = []
     for index in range(settings.requests):
@@ -154,7 +154,7 @@ def plan_requests(settings: LoadSettings, tokenizer) -> list[LoadRequest]:
         if rng.random() < settings.bad_fraction:
             bad_so_far = sum(request.kind == "bad" for request in planned)
             extra, expect = BAD_INPUTS[bad_so_far % len(BAD_INPUTS)]
-            prompt = oversized if extra == "oversized" else haystack[300][0]
+            prompt = oversized if extra == "oversized" else haystack[BAD_PROMPT_LEN][0]
             options = None if extra == "oversized" else extra
             planned.append(LoadRequest(index, "bad", prompt, options, False, False, max_tokens, expect))
             continue
@@ -195,7 +195,7 @@ async def send(client, request: LoadRequest) -> dict:
         else:
             reply = await client.completions.create(prompt=request.prompt, **common)
         if request.stream:
-            async for _ in reply:
+            async for _ in reply:  # a chunk a token (a chat stream's first, its role, counts too)
                 tokens += 1
                 if request.abort and tokens == request.abort_after:
                     await reply.close()
@@ -409,13 +409,12 @@ def main() -> None:
             plot_dashboard(prometheus, start, time.time(), out.with_name(out.stem + "_dashboard.png"))
         return outcome
 
-    kv_cache_gib = None if "--kv-cache-memory-bytes" in settings.server_args else 2
     if args.url:
         summary, results = load(args.url)
     else:
         with (
             tempfile.TemporaryDirectory() as tmp,
-            vllm_server(model, list(settings.server_args), Path(tmp) / "vllm.log", kv_cache_gib) as base,
+            vllm_server(model, list(settings.server_args), Path(tmp) / "vllm.log", 2) as base,
         ):
             summary, results = load(base)
     for failure in summary["failures"]:

@@ -23,7 +23,14 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packages: kvpolicy as installed
 
-from benchmarks.common import RESULTS_DIR, haystack_prompts, metric_total, policy_options, rows_in_fresh_engines  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS_DIR,
+    TOKEN_BYTES,
+    haystack_prompts,
+    metric_total,
+    policy_options,
+    rows_in_fresh_engines,
+)
 
 PRESETS = {
     "full": {"output_lens": [2048, 4096], "requests": 8},
@@ -42,8 +49,6 @@ COLUMNS = [
     "pool_blocks",
     "wall_s",
 ]
-#: float32 K and V of SmolLM2-135M (30 layers, 3 KV heads of 64): bytes per token.
-TOKEN_BYTES = 2 * 30 * 3 * 64 * 4
 
 
 def run_one(args) -> dict:

@@ -24,14 +24,14 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(
-    model: Path, args: list[str], log_path: Path, kv_cache_gib: int | None = 1, env: dict[str, str] | None = None
+    model: Path, args: list[str], log_path: Path, kv_cache_gib: int = 1, env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """``vllm serve model *args`` on a free loopback port (``env``: variables set for it); yields its base URL
-    once ``/health`` answers. ``kv_cache_gib`` None: the pool ``args`` size (vLLM's CPU worker takes
-    ``VLLM_CPU_KVCACHE_SPACE`` over ``--kv-cache-memory-bytes``)."""
+    once ``/health`` answers. The KV pool is ``kv_cache_gib``, unless ``args`` size it with
+    ``--kv-cache-memory-bytes`` (vLLM's CPU worker takes ``VLLM_CPU_KVCACHE_SPACE`` over that flag)."""
     port = free_port()
     env = dict(os.environ, **(env or {}))
-    if kv_cache_gib is None:
+    if "--kv-cache-memory-bytes" in args:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
