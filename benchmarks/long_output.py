@@ -4,7 +4,7 @@
     python benchmarks/long_output.py --quick    # 200-token prompts, 1,024 output tokens, 8 requests
 
 Every prompt is within the budget, so a policy compresses it only in decode (``--kv-decode-buffer``,
-``Relocate.decode_passes``). The KV pool holds a quarter of the requests uncompressed at their full length
+``decode_passes.py``). The KV pool holds a quarter of the requests uncompressed at their full length
 (``--pool-requests``). One fresh engine per configuration (stock vLLM, the default policy ``adamix``,
 ``keydiff``, ``h2o``), every request submitted at once; per step vLLM's own gauges: running requests, blocks
 held, preemptions. Writes ``benchmarks/results/long_output.json``, a table and a plot of blocks held per

@@ -4,7 +4,7 @@ Prompts of 100 and 60 tokens under a 128-token budget, 32-token blocks (the smal
 takes) and 150 output tokens: the default policy (adamix) relocates each request at its 161st token, the
 first of a page past budget and buffer (one page), and passes again every page (at 193 and 225 tokens);
 keydiff relocates a page past the budget (160 tokens) and evicts a page at a time from there
-(``Relocate.decode_passes``). Stock vLLM holds 8 blocks for the longer request by its end; these hold at
+(``decode_passes.py``). Stock vLLM holds 8 blocks for the longer request by its end; these hold at
 most the budget and buffer's 5 pages a head, one part-filled and a spare block.
 """
 

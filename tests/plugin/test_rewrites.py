@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import write_order
+from kvpolicy.vllm.scheduler.request_modes import RequestModes
 from kvpolicy.vllm.scheduler.rewrite_bounds import RewriteBound
 from kvpolicy.vllm.worker.modes import RequestStep
 
@@ -22,7 +23,7 @@ def request(prompt: int, computed: int, num_tokens: int | None = None, **extra):
 
 
 def bound(**options) -> RewriteBound:
-    return RewriteBound(KVPolicyConfig(**options), HEADS, LAYERS, BLOCK)
+    return RewriteBound(RequestModes(KVPolicyConfig(**options), HEADS, LAYERS, BLOCK))
 
 
 def test_a_relocation_rewrites_at_most_the_blocks_the_workers_room_check_allows():
@@ -93,7 +94,7 @@ def test_a_new_mode_is_its_class_and_one_registry_line(monkeypatch):
     trivial = object()  # a mode no policy of the registry runs in
     monkeypatch.setitem(modes.MODES, trivial, modes.ModeKind(EveryOtherBlock, object))
     rewrites = bound(policy="adasnap", budget=128)
-    monkeypatch.setattr(rewrites, "policy_of", lambda request: SimpleNamespace(mode=trivial))
+    monkeypatch.setattr(rewrites.modes, "policy_of", lambda request: SimpleNamespace(mode=trivial))
     order = write_order(8)
     assert rewrites.positions(request(1000, 0), 512, order) == []  # a chunk: the mode writes nothing
     assert asked[-1].end == 512 and not asked[-1].complete and asked[-1].query_len == 512
@@ -108,7 +109,7 @@ def test_decode_relocates_a_prompt_within_its_budget_once_at_its_first_pass():
     """A 100-token prompt under a 128-token budget (16-token blocks): vLLM's layout until the step that takes
     its cache a page past budget and buffer (the 145th token, which opens a page), then relocated once, choosing
     among every token so far; the scheduler asks no more (later passes rewrite only its own pages)."""
-    rewrites = RewriteBound(KVPolicyConfig(policy="adamix", budget=128), HEADS, LAYERS, 16)
+    rewrites = RewriteBound(RequestModes(KVPolicyConfig(policy="adamix", budget=128), HEADS, LAYERS, 16))
     order = write_order(10)
     assert rewrites.positions(request(100, 0), 100, order) == [], "the prompt: within budget"
     assert rewrites.positions(request(100, 140, 141), 1, order) == []
@@ -119,7 +120,7 @@ def test_decode_relocates_a_prompt_within_its_budget_once_at_its_first_pass():
     rewrites.done.discard("r")  # preempted: recomputed in vLLM's layout, relocated again at a pass
     assert rewrites.positions(request(100, 0, 170), 170, order) == []
     assert rewrites.positions(request(100, 176, 177), 1, write_order(12)) == write_order(12)[:11]
-    off = RewriteBound(KVPolicyConfig(policy="adamix", budget=128, decode_buffer=0), HEADS, LAYERS, 16)
+    off = RewriteBound(RequestModes(KVPolicyConfig(policy="adamix", budget=128, decode_buffer=0), HEADS, LAYERS, 16))
     assert off.positions(request(100, 144, 145), 1, order) == []
     assert rewrites.positions(request(100, 144, 145, kv_decode_buffer=0), 1, order) == []
     assert rewrites.positions(request(100, 144, 145, kv_policy="none"), 1, order) == []
@@ -158,7 +159,7 @@ def test_decode_passes_keep_the_same_count_in_every_head():
     """Ada-KV's head allocation is left to prompts: a pass in decode reads every head of a layer as one tensor;
     so are D2O's inverse-variance layer budgets, which the few queries of a pass in decode skew."""
     from kvpolicy.policies.compose import UniformHeads
-    from kvpolicy.vllm.worker.modes.relocate import decode_form
+    from kvpolicy.vllm.worker.modes.decode_passes import decode_form
 
     adamix = KVPolicyConfig(policy="adamix", budget=128).make_policy()
     uniform = decode_form(adamix)
@@ -169,3 +170,20 @@ def test_decode_passes_keep_the_same_count_in_every_head():
     assert decode_form(snapkv) is snapkv
     d2o = decode_form(KVPolicyConfig(policy="d2o", budget=128).make_policy())
     assert d2o.layer_budgets([None] * 3, 128) == [128] * 3, "D2O's layer budgets are left to prompts too"
+
+
+def test_the_scheduler_reserves_by_the_modes_decode_passes():
+    """The connector's admission asks the request's mode when decode compresses it (``ModeState.decode_passes``),
+    the rule the worker's passes run by: the blocks vLLM has given it by its first pass, and those it appends
+    between two; nothing for a request that runs stock or a mode that never compresses in decode."""
+    modes = RequestModes(KVPolicyConfig(policy="adamix", budget=128), HEADS, LAYERS, 16)
+    adamix = modes.decode_passes(request(100, 0))
+    assert adamix.first == 145 and adamix.blocks_at_first_pass(250, 16) == 10 == -(-145 // 16)
+    assert adamix.blocks_at_first_pass(120, 16) == 8, "a request that ends before its first pass"
+    assert adamix.blocks_between_passes(16) == 2
+    assert modes.decode_passes(request(100, 0, kv_policy="none")) is None
+    assert modes.decode_passes(request(300, 0)) is None, "a long prompt is compressed at its end"
+    keydiff = RequestModes(KVPolicyConfig(policy="keydiff", budget=128, decode_buffer=64), HEADS, LAYERS, 16)
+    assert keydiff.decode_passes(request(100, 0)).blocks_at_first_pass(250, 16) == 9, "a page past the budget"
+    omnikv = RequestModes(KVPolicyConfig(policy="omnikv", budget=128), HEADS, LAYERS, 16)
+    assert omnikv.decode_passes(request(100, 0)) is None

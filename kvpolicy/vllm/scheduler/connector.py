@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_DECODE_BUFFER_KEY, KVPolicyConfig
+from kvpolicy.config import KVPolicyConfig
 from kvpolicy.paging import write_order
 from kvpolicy.vllm.internals import (
     KVConnectorBase_V1,
@@ -26,6 +26,7 @@ from kvpolicy.vllm.internals import (
 from kvpolicy.vllm.messages import BlockReleases, KVPolicyConnectorMetadata
 from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
 from kvpolicy.vllm.patches import reserve_for_admissions
+from kvpolicy.vllm.scheduler.request_modes import RequestModes
 from kvpolicy.vllm.scheduler.reservations import GrowingRequest, blocks_to_reserve
 from kvpolicy.vllm.scheduler.rewrite_bounds import RewriteBound
 from kvpolicy.vllm.scheduler.rewrite_history import RELOCATIONS
@@ -45,6 +46,8 @@ class KVPolicyConnector(KVConnectorBase_V1):
         # Under vLLM's asynchronous scheduler, the blocks a step may rewrite leave the prefix cache when
         # the step is scheduled (rewrite_bounds.py); under its synchronous one, those the report names.
         self._rewrites: RewriteBound | None = None
+        # Each request's policy and its mode's rules (with a kvpolicy configuration).
+        self._modes: RequestModes | None = None
         # Worker side: the worker's state, bound by the worker hook (``bind_worker``).
         self._worker: WorkerState | None = None
 
@@ -60,11 +63,13 @@ class KVPolicyConnector(KVConnectorBase_V1):
             reserve_for_admissions(kv_cache_manager, self.growth_blocks)
         self._moves_after_prompt = config is not None and config.moves_after_prompt
         vllm_config = self._vllm_config
-        if config is not None and config.rewrites_blocks and vllm_config.scheduler_config.async_scheduling:
+        if config is not None:
             model, parallel = vllm_config.model_config, vllm_config.parallel_config
-            self._rewrites = RewriteBound(
+            self._modes = RequestModes(
                 config, model.get_num_kv_heads(parallel), model.get_num_layers(parallel), self._block_size
             )
+        if config is not None and config.rewrites_blocks and vllm_config.scheduler_config.async_scheduling:
+            self._rewrites = RewriteBound(self._modes)
 
     def growth_blocks(self, admitting=None) -> int:
         """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``).
@@ -76,9 +81,9 @@ class KVPolicyConnector(KVConnectorBase_V1):
             held = held_blocks(self._kv_cache_manager, req_id)
             if held is None:  # preempted
                 continue
-            passes = self._decode_passes(request)
+            passes = self._modes.decode_passes(request)
             if passes is not None:
-                decoding += passes[1] // self._block_size + 1
+                decoding += passes.blocks_between_passes(self._block_size)
                 continue
             final = min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
             growing.append(GrowingRequest(*held, request.num_tokens, max(final - request.num_tokens, 0)))
@@ -92,24 +97,11 @@ class KVPolicyConnector(KVConnectorBase_V1):
 
     def _growth_to_first_pass(self, request, table: int) -> int:
         """Blocks a request decode will compress appends past the ``table`` it holds until its first pass."""
-        passes = self._decode_passes(request)
+        passes = self._modes.decode_passes(request)
         if passes is None:
             return 0
-        budget, period = passes
-        first_pass = min(request.num_prompt_tokens + request.max_tokens, budget + period + self._block_size)
-        return max(-(-first_pass // self._block_size) - table, 0)
-
-    def _decode_passes(self, request) -> tuple[int, int] | None:
-        """A request decode compresses (its prompt within its budget): its budget and the most tokens it grows
-        by between two passes, its buffer in whole pages, at least one (``DecodePasses``); None for others."""
-        config, extra = self._config, request.sampling_params.extra_args or {}
-        buffer = extra.get(REQUEST_DECODE_BUFFER_KEY, config.decode_buffer)
-        if not config.compresses_in_decode or buffer == 0:
-            return None
-        budget = config.decode_budget(request.num_prompt_tokens, extra.get(REQUEST_BUDGET_KEY))
-        if budget is None:
-            return None
-        return budget, -(-max(buffer or 0, self._block_size) // self._block_size) * self._block_size
+        final = request.num_prompt_tokens + request.max_tokens
+        return max(passes.blocks_at_first_pass(final, self._block_size) - table, 0)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False

@@ -1,7 +1,8 @@
-"""Each mode a policy runs in (``policy.mode``), as both processes know it: its rule (which blocks a step
-rewrites, ``ModeState.written_blocks``, asked by the scheduler and the worker alike), its requests' state
-and the builder of its steps (``ModeState``), and the path that runs its steps in every attention layer;
-``base.py`` holds what they share. A mode is its module and its line in ``MODES``."""
+"""Each mode a policy runs in (``policy.mode``), as both processes know it: its rules (which blocks a step
+rewrites, ``ModeState.written_blocks``; when decode compresses, ``ModeState.decode_passes``; asked by the
+scheduler and the worker alike), its requests' state and the builder of its steps (``ModeState``), and the
+path that runs its steps in every attention layer; ``base.py`` holds what they share. A mode is its module
+and its line in ``MODES``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What every mode shares: the batch it reads, the rows it may change, the calls of the rows the platform
 attends as usual, the one place a request's state is created and dropped, and the rule both processes
-ask of a mode (``ModeState.written_blocks`` over a ``RequestStep``)."""
+ask of a mode (``ModeState.written_blocks`` and ``decode_passes`` over a ``RequestStep``)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_DECODE_BUFFER_KEY, REQUEST_POLICY_KEY, KVPolicyConfig
+from kvpolicy.config import REQUEST_BUDGET_KEY, REQUEST_DECODE_BUFFER_KEY, REQUEST_POLICY_KEY
 from kvpolicy.paging import RequestPages
 from kvpolicy.paging.block_pages import BlockPages
 from kvpolicy.policies import Policy
 from kvpolicy.vllm.internals import host_batch_tensors
+from kvpolicy.vllm.worker.modes.decode_passes import DecodePasses
+from kvpolicy.vllm.worker.modes.request_step import RequestStep
 from kvpolicy.vllm.worker.ops import KVOps
 from kvpolicy.vllm.worker.state import WorkerState
 from kvpolicy.vllm.worker.step import AttentionBatch, Planner, Step
@@ -88,40 +90,6 @@ class Row:
     @property
     def idle(self) -> bool:
         return self.query_len == 0
-
-
-@dataclass(frozen=True)
-class RequestStep:
-    """One request in one step, as both processes know it when the step is scheduled: the scheduler from
-    its request (``num_computed_tokens`` plus the tokens scheduled), a worker from the step's batch row."""
-
-    policy: Policy  # the request's own
-    config: KVPolicyConfig  # the server's
-    prompt_len: int
-    num_tokens: int  # the tokens known: the prompt, or after a preemption the prompt and its output
-    end: int  # tokens in the cache after the step
-    query_len: int  # tokens the step brings
-    budget_arg: int | None  # the request's ``kv_budget``
-    num_kv_heads: int
-    num_layers: int
-    block_size: int
-    decode_buffer_arg: int | None = None  # the request's ``kv_decode_buffer``
-
-    @classmethod
-    def of(cls, policy: Policy, config: KVPolicyConfig, request, end: int, query_len: int, num_kv_heads: int,
-           num_layers: int, block_size: int) -> RequestStep:  # fmt: skip
-        """From a request as either process holds it: vLLM's scheduler ``Request`` and the runner's request
-        state both carry ``num_prompt_tokens``, ``num_tokens`` and the ``sampling_params`` with its options."""
-        extra = request.sampling_params.extra_args or {}
-        return cls(
-            policy, config, request.num_prompt_tokens, request.num_tokens, end, query_len,
-            extra.get(REQUEST_BUDGET_KEY), num_kv_heads, num_layers, block_size, extra.get(REQUEST_DECODE_BUFFER_KEY),
-        )  # fmt: skip
-
-    @property
-    def complete(self) -> bool:
-        """Every known token is in the cache after the step (the prompt is read, or recomputed)."""
-        return self.end >= self.num_tokens
 
 
 @dataclass(frozen=True)
@@ -199,6 +167,12 @@ class ModeState(ABC, Generic[R]):
         mode decides with it whether the step relocates, lays out or offloads the request and whether its
         own blocks have room; the scheduler's connector evicts those blocks from the prefix cache when it
         schedules the step (``scheduler/rewrite_bounds.py``)."""
+        return None
+
+    @staticmethod
+    def decode_passes(step: RequestStep) -> DecodePasses | None:
+        """When decode compresses the request (a prompt within its budget); None: never. The scheduler
+        reserves from it the blocks the request appends between two passes (``scheduler/connector.py``)."""
         return None
 
     @staticmethod

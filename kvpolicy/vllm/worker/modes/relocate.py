@@ -4,13 +4,11 @@ identity) moves a request's prompt into per-head pages, and its rows then attend
 ``Relocate`` builds each step from vLLM's batch (``per_head_path.PerHeadPath`` runs it in every layer);
 ``Relocate.plan`` is the mode's rule for both processes: when a step relocates a request and how many of
 its blocks it writes. A prompt within its budget is relocated once decode takes its cache past the budget
-(``DecodePasses``; docs/policies.md, "A decode budget").
+(``decode_passes.py``).
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -20,21 +18,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_slots, virtual_tokens
-from kvpolicy.policies import Policy, Schedule
-from kvpolicy.policies.compose import SameBudget, UniformHeads
+from kvpolicy.paging import PageStore, RequestPages, relocation_blocks, stock_slots
+from kvpolicy.policies import Schedule
 from kvpolicy.vllm.messages import BlockRelease
 from kvpolicy.vllm.worker.modes.base import HostBatch, ModeState, RequestStep, Row, StepShape
 from kvpolicy.vllm.worker.modes.carried import CarriedScores, CarriedState
+from kvpolicy.vllm.worker.modes.decode_passes import DecodePasses, decode_form, decode_passes_of
 from kvpolicy.vllm.worker.modes.fixed_decode import FixedDecode, refusal
+from kvpolicy.vllm.worker.modes.per_head_batch import per_head_batch
 from kvpolicy.vllm.worker.ops import KVOps
 from kvpolicy.vllm.worker.ops.staging import TableMirror
 from kvpolicy.vllm.worker.state import WorkerState
 from kvpolicy.vllm.worker.step import (
-    AttentionBatch,
     FixedDecodeStep,
-    HeadRows,
-    PerHeadBatch,
     RelocatingStep,
     Relocation,
     SummedChunk,
@@ -80,55 +76,6 @@ class _Draft:
     per_head_rows: list[int] = field(default_factory=list)
     per_head_pages: list[RequestPages] = field(default_factory=list)
     summed_rows: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class DecodePasses:
-    """How decode compresses a prompt within its ``budget``: its first pass (a relocation) at the step that
-    brings its cache to ``first`` tokens, then, for a policy that does not evict by itself (``repeats``),
-    every ``period`` tokens. ``first`` is the first token of a page past the budget and the buffer (for
-    the evicting policies, a page past the budget), so a pass frees a page vLLM just appended. The queries
-    of the ``window`` steps up to a pass score it (stashed until then)."""
-
-    budget: int
-    first: int
-    period: int
-    window: int
-    repeats: bool
-
-    def due(self, end: int) -> bool:
-        """A pass runs at the step that brings the cache to ``end`` tokens."""
-        return end >= self.first and (end - self.first) % self.period == 0
-
-    def observes(self, end: int) -> bool:
-        """The step's query is stashed for the next pass (the pass's own step hands it over itself)."""
-        ahead = self.first - end if end <= self.first else -(end - self.first) % self.period
-        return 0 < ahead < self.window
-
-    @property
-    def kept_queries(self) -> int:
-        """Window queries a pass keeps for the next one, when the window is longer than the period."""
-        return max(self.window - self.period, 0) if self.repeats else 0
-
-
-def decode_form(policy: Policy) -> Policy:
-    """The policy as decode passes apply it: the same count in every head of a layer (a head allocator
-    such as Ada-KV's would leave heads of different lengths, which the next pass could not read as one),
-    and the same budget in every layer (D2O's inverse-variance budgets, from the attention of the few
-    queries a pass in decode has, left whole layers at 0)."""
-    heads, layers = getattr(policy, "heads", UniformHeads()), getattr(policy, "layers", SameBudget())
-    if isinstance(heads, UniformHeads) and not layers.across_layers:
-        return policy
-    return _decode_form(policy)
-
-
-@functools.cache
-def _decode_form(policy: Policy) -> Policy:
-    form = copy.copy(policy)
-    object.__setattr__(form, "heads", UniformHeads())
-    if policy.layers.across_layers:
-        object.__setattr__(form, "layers", SameBudget())
-    return form
 
 
 @dataclass(frozen=True)
@@ -291,7 +238,10 @@ class Relocate(ModeState[RelocatedRequest]):
             if rest is not None and (index[1:] < index[:-1]).any():  # rows found both ways: batch order
                 order = np.argsort(index, kind="stable")
                 index, pages = index[order], [pages[i] for i in order]
-            draft.step.per_head = self._per_head_batch(index, pages, batch, shape)
+            carried = None
+            if self.policy.inputs.attention:  # where each row's accumulated scores are
+                carried = torch.tensor([self.requests[batch.req_ids[i]].carried.slot for i in index.tolist()])
+            draft.step.per_head = per_head_batch(self.store, index, pages, batch, shape, carried)
         step = draft.step
         if self.fixed is not None:  # a decode batch runs in fixed shapes (vLLM may replay a full graph)
             fixed = self.fixed.step_of(step, batch)
@@ -503,25 +453,7 @@ class Relocate(ModeState[RelocatedRequest]):
         entries = policy.layer_token_bound(budget, chooses, heads) + heads * max(step.end - chooses, 0)
         return RelocationPlan(budget, chooses, relocation_blocks(entries, heads, step.block_size))
 
-    @staticmethod
-    def decode_passes(step: RequestStep) -> DecodePasses | None:
-        """How decode compresses the request, if its prompt is within its budget (``--kv-decode-buffer``,
-        ``kv_decode_buffer``; None: it stays whole). The evicting policies' first pass comes a page past
-        the budget, as their later ones do; the others' each time the cache passes the budget and the
-        buffer, at the next page boundary. Window policies score with their window of generated queries,
-        policies that accumulate attention with the queries since the budget was crossed."""
-        config, policy = step.config, step.policy
-        budget = config.decode_budget(step.prompt_len, step.budget_arg) if config.compresses_in_decode else None
-        buffer = config.decode_buffer if step.decode_buffer_arg is None else step.decode_buffer_arg
-        if budget is None or buffer == 0:
-            return None
-        page = step.block_size
-        if policy.schedule.in_decode:
-            return DecodePasses(budget, budget + page, page, page if policy.inputs.attention else 0, repeats=False)
-        buffer = page if buffer is None else buffer
-        first = -(-(budget + buffer) // page) * page + 1
-        window = policy.window if policy.inputs.window else 0
-        return DecodePasses(budget, first, -(-buffer // page) * page, window, repeats=True)
+    decode_passes = staticmethod(decode_passes_of)
 
     @staticmethod
     def written_blocks(step: RequestStep) -> int | None:
@@ -536,60 +468,3 @@ class Relocate(ModeState[RelocatedRequest]):
             raise RuntimeError("a policy that evicts must keep the same count in every head of a layer")
         over = lengths[:, 0] + row.query_len - np.asarray(self.requests[row.req_id].carried.budgets)
         return over.max() > 0 if reading else over.max() >= shape.block_size
-
-    def _per_head_batch(
-        self, index: np.ndarray, pages: list[RequestPages], batch: HostBatch, shape: StepShape
-    ) -> PerHeadBatch:
-        """The relocated rows' calls (``index``: their batch rows, in order; ``pages``: theirs), vectorised
-        over the batch: their rows of the page store go first, in this order, and get room for the step's
-        tokens in one ``append``; each layer's lengths and table are views of the step's [layers, ...] ones."""
-        heads, num_layers = shape.num_kv_heads, shape.num_layers
-        store = self.store
-        store.arrange(pages)
-        req_ids = [batch.req_ids[i] for i in index.tolist()]
-        rows = len(pages)
-        qsl = batch.query_start_loc
-        first = qsl[index].astype(np.int64)
-        query_lens = qsl[index + 1] - first
-        slots = store.append(np.arange(rows), query_lens)  # [layers, virtual tokens]
-        if (query_lens == 1).all():  # decode: a token per row, a one-token sequence per (row, head)
-            token_idx = first
-            token_of, head_of = np.repeat(first, heads), np.tile(np.arange(heads), rows)
-            query_start_loc = torch.arange(rows * heads + 1, dtype=torch.int32)
-        else:
-            ends = np.cumsum(query_lens)
-            token_idx = np.repeat(first - (ends - query_lens), query_lens) + np.arange(int(ends[-1]))
-            entry, head_of, nth = virtual_tokens(query_lens, heads)
-            token_of = first[entry] + nth
-            query_start_loc = torch.zeros(rows * heads + 1, dtype=torch.int32)
-            query_start_loc[1:] = torch.from_numpy(np.cumsum(np.repeat(query_lens, heads)))
-        lengths = np.empty((num_layers, rows * heads), dtype=store.lengths.dtype)  # this step's, a copy
-        lengths.reshape(num_layers, rows, heads)[...] = store.lengths[:, :rows]
-        seq_lens = torch.from_numpy(lengths)
-        tables = torch.from_numpy(store.tables)[:, : rows * heads]
-        token_idx = torch.from_numpy(token_idx)
-        # A one-head plan depends on the lengths and query layout only (``Planner``): a layer whose lengths
-        # are the layer before's (every layer, under a policy that keeps the same per head) shares its plan.
-        as_before = np.zeros(num_layers, dtype=bool)
-        alike = np.flatnonzero(lengths[1:, 0] == lengths[:-1, 0]) + 1  # layers whose first lengths agree
-        as_before[alike] = (lengths[alike] == lengths[alike - 1]).all(axis=1)
-        layers, plan = [], None
-        for layer_lens, table, same in zip(seq_lens.unbind(0), tables.unbind(0), as_before.tolist()):
-            if not same:
-                plan = shape.heads_plan(query_start_loc, layer_lens, table)
-            layers.append(AttentionBatch(token_idx, query_start_loc, layer_lens, table, 1, plan))
-        whole_batch = token_idx.numel() == rows == int(qsl[-1])  # one token per row, every row
-        carried_slots = None
-        if self.policy.inputs.attention:
-            carried_slots = torch.tensor([self.requests[req_id].carried.slot for req_id in req_ids])
-        return PerHeadBatch(
-            token_idx,
-            HeadRows(torch.from_numpy(token_of), torch.from_numpy(head_of), whole_batch),
-            layers,
-            torch.from_numpy(slots),
-            req_ids,
-            store,
-            seq_lens=seq_lens,
-            tables=tables,
-            carried_slots=carried_slots,
-        )
