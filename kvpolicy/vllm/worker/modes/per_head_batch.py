@@ -21,8 +21,9 @@ def per_head_batch(
 ) -> PerHeadBatch:
     """The relocated rows' calls (``index``: their batch rows, in order; ``pages``: theirs), vectorised
     over the batch: their rows of the page store go first, in this order, and get room for the step's
-    tokens in one ``append``; each layer's lengths and table are views of the step's [layers, ...] ones. ``carried_slots``: each
-    row's slot of the scores its policy carries (policies that accumulate attention), else None."""
+    tokens in one ``append``; each layer's lengths and table are views of the step's [layers, ...] ones.
+    ``carried_slots``: each row's slot of the scores its policy carries (policies that accumulate attention),
+    else None."""
     heads, num_layers = shape.num_kv_heads, shape.num_layers
     store.arrange(pages)
     req_ids = [batch.req_ids[i] for i in index.tolist()]
