@@ -2,6 +2,7 @@
 
 from dataclasses import fields
 
+from kvpolicy.policies.adaheavy import AdaHeavy
 from kvpolicy.policies.adamix import AdaMix
 from kvpolicy.policies.base import (
     CompressedKV,
@@ -35,6 +36,7 @@ POLICIES: dict[str, type[Policy]] = {
         PyramidKV,
         AdaPyramid,
         AdaMix,
+        AdaHeavy,
         RKV,
         StreamingLLM,
         KeyDiff,

@@ -139,12 +139,14 @@ class Inputs:
 
     ``window``: the last prompt queries (the policy's ``window`` of them; fewer when a prefix-cache hit
     reached into them). ``attention``: the causal attention column sums of every prompt query (or the
-    queries themselves, where the backend cannot sum them), and in decode each new token's attention
-    weights over the cache, added to the scores the policy carried (``PromptKV.scores``).
+    queries themselves, where the backend cannot sum them); with ``window`` too, the window's queries as
+    well, and in a decode pass the column sums of its window's. ``new_token_attention``: in decode each new
+    token's attention weights over the cache, added to the scores the policy carried (``PromptKV.scores``).
     """
 
     window: bool = False
     attention: bool = False
+    new_token_attention: bool = False
 
 
 @dataclass(frozen=True)

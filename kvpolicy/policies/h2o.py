@@ -81,7 +81,7 @@ class AccumulatedAttention(Scorer):
     """A token's score: the attention every query gave it, the prompt's (its column sums, the GQA group
     averaged) and, carried into decode, each generated token's."""
 
-    reads = Inputs(attention=True)
+    reads = Inputs(attention=True, new_token_attention=True)
     carries_scores = True
 
     def observe(self, prompt: PromptKV) -> torch.Tensor:

@@ -34,7 +34,9 @@ def test_requests_below_the_budget_stay_bitwise_identical(engine_run):
             assert ours[i] == stock[i], f"request {i} ({n} tokens) was not compressed and must be exact"
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "pyramid", "adapyramid", "adamix", "streaming", "keydiff", "h2o", "d2o"])
+@pytest.mark.parametrize(
+    "policy", ["snapkv", "pyramid", "adapyramid", "adamix", "adaheavy", "streaming", "keydiff", "h2o", "d2o"]
+)
 def test_every_compressing_policy_runs_in_the_engine(engine_run, policy):
     run = engine_run("--policy", policy, "--budget", str(BUDGET))
     counters = run["counters"]
@@ -80,18 +82,26 @@ def test_one_page_pool_for_every_layer_moves_pages_not_what_attention_reads(engi
     assert pooled["kv_cache_usage_end"] == per_layer["kv_cache_usage_end"] == 0.0
 
 
-def test_h2o_prompt_scores_add_up_over_chunks(engine_run):
+@pytest.mark.parametrize("policy, chunks", [("h2o", ()), ("adaheavy", ("--chunk", "548"))])
+def test_prompt_scores_add_up_over_chunks(engine_run, policy, chunks):
     """H2O's prompt scores come from kvpolicy's own prompt attention (one QK^T for the output and
     the column sums), chunk by chunk: a 1,100-token prompt read in 256-token chunks gets the sums,
-    and keeps the tokens, it gets when read in one chunk. Each query's weights sum to one."""
-    flags = ("--policy", "h2o", "--budget", str(BUDGET), "--prompt-lens", "1100", "--capture")
-    chunked = torch.load(engine_run(*flags)["captured"])
+    and keeps the tokens, it gets when read in one chunk. Each query's weights sum to one. Ada-Heavy,
+    read in chunks of 548 tokens (its 16-token window across the last two), also gets the window's
+    queries from the summed chunks they fall in, the same (to 1e-4: its 548-row chunks project queries in
+    other matrix shapes than 256 or 1,100 rows, which round differently in float32)."""
+    flags = ("--policy", policy, "--budget", str(BUDGET), "--prompt-lens", "1100", "--capture")
+    chunked = torch.load(engine_run(*flags, *chunks)["captured"])
     whole = torch.load(engine_run(*flags, "--chunk", "2048")["captured"])
     for layer in (0, 15, 29):
         sums = chunked[layer]["column_sums"]
-        torch.testing.assert_close(sums, whole[layer]["column_sums"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sums, whole[layer]["column_sums"], rtol=1e-5, atol=1e-6 if not chunks else 1e-4)
         torch.testing.assert_close(sums.sum(dim=1), torch.full((sums.shape[0],), 1100.0, dtype=torch.float64))
         assert [k.tolist() for k in chunked[layer]["kept"]] == [k.tolist() for k in whole[layer]["kept"]]
+        if policy == "adaheavy":
+            window = chunked[layer]["window_queries"]
+            assert window.shape[1] == 16
+            torch.testing.assert_close(window, whole[layer]["window_queries"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

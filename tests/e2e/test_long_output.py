@@ -26,7 +26,7 @@ def first_tokens(run: dict, count: int) -> list[list[int]]:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("policy, passes", [("adamix", 3), ("rkv", 3), ("keydiff", 3)])
+@pytest.mark.parametrize("policy, passes", [("adamix", 3), ("adaheavy", 3), ("rkv", 3), ("keydiff", 3)])
 def test_decode_holds_a_short_prompt_at_its_budget_and_gives_blocks_back(engine_run, policy, passes):
     """Both requests relocated once, in decode; then a pass each page; tokens up to the first pass are stock
     vLLM's, bit for bit in their logprobs (the pass runs after the step's attention); every block comes back."""

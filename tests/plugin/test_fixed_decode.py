@@ -10,7 +10,7 @@ from kvpolicy.vllm.patches import forbid_full_graphs_while
 from kvpolicy.vllm.worker.modes.fixed_decode import buffer_bytes, refusal
 
 #: Policies whose decode step is a write and an attention call per layer, nothing after.
-FIXED = {"identity", "snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "rkv", "streaming"}
+FIXED = {"identity", "snapkv", "adasnap", "pyramid", "adapyramid", "adamix", "adaheavy", "rkv", "streaming"}
 
 
 @pytest.mark.parametrize("name", sorted(set(POLICIES) - {"none"}))

@@ -60,7 +60,7 @@ def test_serve_help_lists_the_kv_options(forked, tmp_path):
     [
         (
             ["--kv-policy", "bogus"],
-            "unknown --kv-policy 'bogus'; choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, rkv, snapkv, streaming",
+            "unknown --kv-policy 'bogus'; choose one of: adaheavy, adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, rkv, snapkv, streaming",
         ),
         (["--kv-policy", "identity", "--kv-budget", "0"], "--kv-budget must be a positive"),
         (["--kv-policy", "pod", "--kv-pod-groups", "/nonexistent.json"], "python -m kvpolicy.offline.calibrate_pod"),

@@ -9,7 +9,7 @@ from kvpolicy.policies import POLICIES, IdentityPolicy, PromptKV
 def test_unknown_policy_lists_the_valid_ones():
     with pytest.raises(
         KVPolicyConfigError,
-        match="choose one of: adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, rkv, snapkv, streaming",
+        match="choose one of: adaheavy, adamix, adapyramid, adasnap, d2o, h2o, identity, keydiff, none, omnikv, pod, pyramid, rkv, snapkv, streaming",
     ):
         KVPolicyConfig(policy="bogus")
 
@@ -69,7 +69,8 @@ def test_offload_is_an_omnikv_host_pool_size():
 def test_page_pool_is_for_policies_that_relocate_pages():
     for policy in ("omnikv", "pod"):  # omnikv relocates nothing; PoD's layout always spans every layer
         with pytest.raises(
-            KVPolicyConfigError, match=f"--kv-page-pool applies to --kv-policy adamix.* snapkv, streaming, not {policy}"
+            KVPolicyConfigError,
+            match=f"--kv-page-pool applies to --kv-policy adaheavy, adamix.* snapkv, streaming, not {policy}",
         ):
             KVPolicyConfig(policy=policy, budget=256 if policy == "omnikv" else None, page_pool="layer")
     assert KVPolicyConfig(policy="pyramid", budget=256, page_pool="layer").page_pool == "layer"
@@ -128,7 +129,7 @@ def test_a_prompt_within_its_budget_has_a_decode_budget_unless_the_buffer_is_0()
     assert not KVPolicyConfig(policy="identity").compresses_in_decode
     with pytest.raises(KVPolicyConfigError, match="--kv-decode-buffer must be >= 0"):
         KVPolicyConfig(policy="adamix", budget=256, decode_buffer=-1)
-    with pytest.raises(KVPolicyConfigError, match="--kv-decode-buffer applies to --kv-policy adamix"):
+    with pytest.raises(KVPolicyConfigError, match="--kv-decode-buffer applies to --kv-policy adaheavy, adamix"):
         KVPolicyConfig(policy="omnikv", budget=256, decode_buffer=16)
 
 
@@ -194,7 +195,8 @@ def test_ada_options_reach_the_policies_that_take_them():
     assert KVPolicyConfig(policy="adamix", budget=128, mix=1.0, alpha=1.0).make_policy().mix == 1.0
     assert KVPolicyConfig(policy="adasnap", budget=128, alpha=0.2).make_policy().alpha == 0.2
     with pytest.raises(
-        KVPolicyConfigError, match="--kv-alpha applies to adamix, adapyramid, adasnap, not to --kv-policy snapkv"
+        KVPolicyConfigError,
+        match="--kv-alpha applies to adaheavy, adamix, adapyramid, adasnap, not to --kv-policy snapkv",
     ):
         KVPolicyConfig(policy="snapkv", budget=128, alpha=0.2)
     with pytest.raises(KVPolicyConfigError, match="--kv-mix must be in"):

@@ -62,8 +62,8 @@ def test_the_flags_are_todays():
 
 def test_a_flag_names_the_policies_that_take_it_and_their_defaults():
     help_of = {flag.name: flag.help for flag in FLAGS}
-    assert help_of["pool_kernel"].startswith("snapkv, adasnap, pyramid, adapyramid, adamix, rkv: ")
-    assert "(default 7; adamix 15)" in help_of["pool_kernel"]
+    assert help_of["pool_kernel"].startswith("snapkv, adasnap, pyramid, adapyramid, adamix, adaheavy, rkv: ")
+    assert "(default 7; adamix, adaheavy 15)" in help_of["pool_kernel"]
     assert "streaming, d2o: attention-sink tokens always kept (default 4). pod: " in help_of["sink_tokens"]
 
 

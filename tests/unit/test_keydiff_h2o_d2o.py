@@ -13,12 +13,9 @@ from kvpolicy.policies import POLICIES, Mode, PromptKV, make_policy
 from kvpolicy.policies.d2o import D2O, layer_budgets, merge_evicted, prompt_attention_variance
 from kvpolicy.policies.h2o import H2O, add_new_token, new_token_attention
 from kvpolicy.policies.keydiff import keydiff_block_step
+from tests.h2o_reference import dot, reference_column_sums, reference_h2o_scores
 
 H, G, D, L = 3, 3, 8, 70
-
-
-def dot(a, b):
-    return sum(x * y for x, y in zip(a, b))
 
 
 def cosine(a, b):
@@ -35,29 +32,6 @@ def reference_keydiff(keys, budget):
     units = [[x / math.sqrt(dot(k, k)) for x in k] for k in keys]
     anchor = [sum(u[d] for u in units) / len(units) for d in range(len(keys[0]))]
     return top([-cosine(k, anchor) for k in keys], budget)
-
-
-def reference_column_sums(keys, queries, q_head):
-    """Column sums of one query head's causal softmax attention over the whole prompt."""
-    kv_head = q_head // (len(queries) // len(keys))
-    length = len(keys[0])
-    sums = [0.0] * length
-    for i in range(length):
-        logits = [dot(queries[q_head][i], keys[kv_head][j]) / math.sqrt(len(keys[0][0])) for j in range(i + 1)]
-        peak = max(logits)
-        exps = [math.exp(x - peak) for x in logits]
-        for j in range(i + 1):
-            sums[j] += exps[j] / sum(exps)
-    return sums
-
-
-def reference_h2o_scores(keys, queries):
-    group = len(queries) // len(keys)
-    per_query_head = [reference_column_sums(keys, queries, q) for q in range(len(queries))]
-    return [
-        [sum(per_query_head[h * group + g][j] for g in range(group)) / group for j in range(len(keys[0]))]
-        for h in range(len(keys))
-    ]
 
 
 def reference_heavy_hitters(scores, budget, recent, sinks):

@@ -1,4 +1,5 @@
-"""SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid, Ada-Mix and StreamingLLM against plain references on random tensors."""
+"""SnapKV, Ada-SnapKV, PyramidKV, Ada-Pyramid, Ada-Mix, Ada-Heavy and StreamingLLM against plain references on random
+tensors."""
 
 import threading
 
@@ -6,10 +7,13 @@ import pytest
 import torch
 
 from kvpolicy.policies import HeadGroup, PromptKV, make_policy
+from kvpolicy.policies.h2o import attention_column_sums
 from kvpolicy.policies.snapkv import pyramid_capacity
+from tests.h2o_reference import reference_h2o_scores
 from tests.snapkv_reference import (
     reference_ada_counts,
     reference_keep,
+    reference_layer_ranks,
     reference_mix_scores,
     reference_pyramid,
     reference_scores,
@@ -86,6 +90,26 @@ def test_adamix_without_keydiff_is_adasnap_with_its_pooling(prompt):
     adamix = make_policy("adamix", window=WINDOW, pool_kernel=KERNEL, mix=0.0, combine="blend").keep(prompt, BUDGET)
     adasnap = make_policy("adasnap", window=WINDOW, pool_kernel=KERNEL, pool_shift=4, group_scores="max")
     assert as_lists(adamix) == as_lists(adasnap.keep(prompt, BUDGET))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adaheavy_allocates_over_the_union_of_window_and_h2o_ranks(seed):
+    """Every prompt query handed over (as the GPU ops do), or the column sums with the window's queries
+    alone (as the CPU ops sum prompt chunks): the same tokens kept, the reference's."""
+    gen = torch.Generator().manual_seed(seed)
+    length, shift = 150, 2
+    keys = torch.randn(H, length, D, generator=gen)
+    queries = torch.randn(H * G, length, D, generator=gen) * 2
+    window = reference_layer_ranks(reference_scores(keys, queries[:, -WINDOW:], WINDOW, KERNEL, shift, "max"))
+    heavy = torch.tensor(reference_h2o_scores(keys.tolist(), queries.tolist()), dtype=torch.float64)
+    scores = torch.maximum(window, reference_layer_ranks(heavy[:, : window.shape[1]]))
+    expected = reference_keep(reference_ada_counts(scores, BUDGET - WINDOW, 0.5), scores, length, WINDOW)
+    policy = make_policy("adaheavy", window=WINDOW, pool_kernel=KERNEL, pool_shift=shift)
+    every_query = PromptKV(keys, queries, layer=0, num_layers=4, queries=queries)
+    assert as_lists(policy.keep(every_query, BUDGET)) == expected
+    sums = attention_column_sums(keys, queries)
+    summed = PromptKV(keys, queries[:, -WINDOW:], layer=0, num_layers=4, queries=queries[:, -WINDOW:], column_sums=sums)
+    assert as_lists(policy.keep(summed, BUDGET)) == expected
 
 
 @pytest.mark.parametrize("capacity, prefix", [(200, 3000), (96, 1068), (96, 97)])

@@ -149,6 +149,8 @@ class Relocation:
     Both are None for an eviction pass over a request already relocated
     (prompt chunks, decode): each layer's cache so far, to its own budget.
     ``policy``: the request's (the server's, or one of its family by ``kv_policy``).
+    ``summed_queries``: the first of its stashed queries whose attention is in its column sums already
+    (the window's of summed chunks, a policy's that reads both).
     """
 
     req_id: str
@@ -158,6 +160,7 @@ class Relocation:
     num_computed: int | None
     budget: int | None
     window_idx: torch.Tensor
+    summed_queries: int = 0
 
 
 @dataclass

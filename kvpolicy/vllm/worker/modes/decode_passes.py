@@ -65,7 +65,9 @@ def decode_passes_of(step: RequestStep) -> DecodePasses | None:
         return None
     page = step.block_size
     if policy.schedule.in_decode:
-        return DecodePasses(budget, budget + page, page, page if policy.inputs.attention else 0, repeats=False)
+        return DecodePasses(
+            budget, budget + page, page, page if policy.inputs.new_token_attention else 0, repeats=False
+        )
     buffer = page if buffer is None else buffer
     first = -(-(budget + buffer) // page) * page + 1
     window = policy.window if policy.inputs.window else 0

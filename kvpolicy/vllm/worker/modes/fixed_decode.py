@@ -41,7 +41,7 @@ def refusal(policy: type[Policy] | Policy, offload: bool) -> str | None:
         return f"{policy.name}'s decode runs on its own path ({policy.mode.traits.name})"
     if policy.schedule.in_decode:
         return f"{policy.name} evicts in decode (host work after attention when a page fills)"
-    if policy.inputs.attention:
+    if policy.inputs.new_token_attention:
         return f"{policy.name} adds each new token's attention to its scores"
     if offload:
         return "an offloaded request's layers load from the host pool"

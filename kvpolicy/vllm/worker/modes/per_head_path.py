@@ -63,7 +63,7 @@ class PerHeadPath(ModePath):
         after the last layer, pack requests whose layers share a pool into their fewest blocks."""
         for stash in step.window_stash:
             self.mode.stash_window(stash.req_id, layer_idx, self._rows(query, stash.token_idx))
-        if step.per_head is not None and self.worker.policy.inputs.attention:
+        if step.per_head is not None and self.worker.policy.inputs.new_token_attention:
             self._add_attention(layer, query, kv_cache, layer_idx, step.per_head)
         if step.relocations:
             self._relocate(layer, layer_idx, query, kv_cache, step.relocations)
@@ -115,7 +115,8 @@ class PerHeadPath(ModePath):
 
     def _evict(self, layer, query, kv_cache, layer_idx: int, relocation: Relocation) -> None:
         """An eviction pass: this layer's cache back to its budget, with what the policy carried (and, for a
-        window policy's pass in decode, its window of generated queries), if over it."""
+        window policy's pass in decode, its window of generated queries, and their column sums if it reads
+        attention too), if over it."""
         pages = relocation.pages
         carried = self.mode.requests[relocation.req_id].carried
         window = None
@@ -126,12 +127,15 @@ class PerHeadPath(ModePath):
         if length <= budget:
             return
         keys, values, slots = self._read(layer, kv_cache, layer_idx, relocation, length, length)
+        sums_window = window is not None and relocation.policy.inputs.attention
         cache = PromptKV(
             keys,
             window_queries=window,
             layer=layer_idx,
             num_layers=pages.num_layers,
+            queries=window if sums_window else None,
             values=values,
+            column_sums=self.ops.prompt_column_sums(keys, window) if sums_window else None,
             scores=self.mode.scores.read(layer_idx, carried.slot, length) if carried.scored[layer_idx] else None,
             threshold=carried.thresholds[layer_idx],
             heads=None if window is None else self.worker.head_group,
@@ -160,8 +164,9 @@ class PerHeadPath(ModePath):
         if policy.inputs.attention and queries is not None:
             # Summed chunks' sums cover the prompt's first positions; stashed queries, its last ones.
             column_sums = self.mode.take_column_sums(relocation.req_id, layer_idx, keys.shape[1])
-            if queries.shape[1]:
-                from_queries = self.ops.prompt_column_sums(keys, queries)
+            unsummed = queries[:, relocation.summed_queries :]
+            if unsummed.shape[1]:
+                from_queries = self.ops.prompt_column_sums(keys, unsummed)
                 column_sums = from_queries if column_sums is None else column_sums + from_queries
         prompt = PromptKV(
             keys,

@@ -44,8 +44,9 @@ class RelocatedRequest:
 
     While its prompt is read: the observation-window queries of earlier chunks (``window_queries``,
     layer -> chunks) and, for policies that accumulate attention, the running column sums of summed
-    chunks (``column_sums``, layer -> [q_heads, keys so far]). At relocation, for policies that budget
-    across layers, what each layer observed until the last one arrives (``observed``). Once relocated:
+    chunks (``column_sums``, layer -> [q_heads, keys so far]; ``summed_queries``: how many of the
+    stashed queries, first, are in them, for a policy that reads both). At relocation, for policies
+    that budget across layers, what each layer observed until the last one arrives (``observed``). Once relocated:
     its per-head ``pages``, and what an evicting policy carries to its next pass (``carried``).
     ``uncompressed``: it stays on the stock path: its own blocks could not hold what the policy keeps, or
     its prompt is within budget and nothing compresses it in decode. ``decode``: when decode compresses a
@@ -55,6 +56,7 @@ class RelocatedRequest:
     pages: RequestPages | None = None
     window_queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     column_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    summed_queries: int = 0
     observed: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
     carried: CarriedState | None = None
     uncompressed: bool = False
@@ -239,7 +241,7 @@ class Relocate(ModeState[RelocatedRequest]):
                 order = np.argsort(index, kind="stable")
                 index, pages = index[order], [pages[i] for i in order]
             carried = None
-            if self.policy.inputs.attention:  # where each row's accumulated scores are
+            if self.policy.inputs.new_token_attention:  # where each row's accumulated scores are
                 carried = torch.tensor([self.requests[batch.req_ids[i]].carried.slot for i in index.tolist()])
             draft.step.per_head = per_head_batch(self.store, index, pages, batch, shape, carried)
         step = draft.step
@@ -350,7 +352,9 @@ class Relocate(ModeState[RelocatedRequest]):
             slots = stock_slots(batch.block_table[row.index], shape.num_kv_heads, shape.block_size, positions, heads)
             draft.step.summed.append(SummedChunk(row.req_id, window_idx, slots))
             draft.summed_rows.append(row.index)
-            window_idx = window_idx[:0]
+            in_window = self._summed_window(row)
+            self.track(row.req_id).summed_queries += in_window
+            window_idx = window_idx[window_idx.numel() - in_window :]
         if plan.chooses is None:  # reading on: the chunk's window queries wait for the relocation
             if window_idx.numel():
                 draft.step.window_stash.append(WindowStash(row.req_id, window_idx))
@@ -409,8 +413,17 @@ class Relocate(ModeState[RelocatedRequest]):
             num_computed=None if num_tokens is None else row.seq_len,
             budget=budget,
             window_idx=torch.zeros(0, dtype=torch.int64) if window_idx is None else window_idx,
+            summed_queries=self.requests[row.req_id].summed_queries,
         )
         draft.step.relocations.append(relocation)
+
+    def _summed_window(self, row: Row) -> int:
+        """How many of a summed chunk's last tokens are in the observation window, whose queries a policy
+        that reads both is handed too (their attention is in the column sums already)."""
+        if not self.policy.inputs.window:
+            return 0
+        start = max(row.start, row.prompt_len - self.policy.window)
+        return max(min(row.seq_len, row.prompt_len) - start, 0)
 
     def _window_tokens(self, row: Row) -> torch.Tensor:
         """Batch indices of this chunk's tokens whose queries the policy scores with.
