@@ -6,8 +6,8 @@
     python benchmarks/load.py --dashboard       # also scrape with a real Prometheus and plot the dashboard's panels
     python benchmarks/load.py --long            # short prompts, 256-1,536 output tokens, a pool that preempts
 
-Without ``--url`` it starts ``vllm serve --kv-policy adasnap --kv-budget 256`` on loopback (``--long``: the default
-policy, ``adamix``, and a KV pool that holds four of its requests uncompressed). A seeded mix of lengths, streaming,
+Without ``--url`` it starts ``vllm serve --kv-policy adasnap --kv-budget 256`` on loopback (``--long``:
+``adamix``, and a KV pool that holds four of its requests uncompressed). A seeded mix of lengths, streaming,
 per-request options, client aborts and bad inputs (each a 400); then the KV pool must be empty and the server
 answering. Writes ``benchmarks/results/load.json``, a table and a plot; the mix: docs/operations.md#the-load-test.
 """
@@ -49,7 +49,7 @@ PROMPT_LENGTHS = ((300, 0.5), (800, 0.35), (2000, 0.15))
 BAD_PROMPT_LEN = 300
 #: The long-output preset: prompts within the budget (compressed only once decode takes them past it) and some over.
 LONG_PROMPT_LENGTHS = ((200, 0.75), (800, 0.25))
-#: The long preset's server: the default policy, and a pool of 48 blocks: four requests of 200 + 1,536 tokens.
+#: The long preset's server: adamix, and a pool of 48 blocks: four requests of 200 + 1,536 tokens.
 LONG_SERVER_ARGS = [
     *SERVER_ARGS[: SERVER_ARGS.index("--kv-policy")],
     "--kv-policy",

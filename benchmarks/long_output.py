@@ -5,7 +5,7 @@
 
 Every prompt is within the budget, so a policy compresses it only in decode (``--kv-decode-buffer``,
 ``decode_passes.py``). The KV pool holds a quarter of the requests uncompressed at their full length
-(``--pool-requests``). One fresh engine per configuration (stock vLLM, the default policy ``adamix``,
+(``--pool-requests``). One fresh engine per configuration (stock vLLM, ``adamix``,
 ``keydiff``, ``h2o``), every request submitted at once; per step vLLM's own gauges: running requests, blocks
 held, preemptions. Writes ``benchmarks/results/long_output.json``, a table and a plot of blocks held per
 running request over the run (flat once decode passes the budget, for the policies).
