@@ -21,31 +21,24 @@ import torch
 
 from kvpolicy.policies.adamix import layer_ranks
 from kvpolicy.policies.base import Inputs, PromptKV
-from kvpolicy.policies.compose import Split, compose
+from kvpolicy.policies.compose import compose
 from kvpolicy.policies.h2o import group_mean, prompt_column_sums
-from kvpolicy.policies.snapkv import AdaKV, ObservationWindow, window_scores
+from kvpolicy.policies.snapkv import AdaKV, ObservationWindow
 
 
 @dataclass(frozen=True)
 class HeavyWindowScores(ObservationWindow):
     """The union of the observation window's and H2O's layer-wide ranks (a token's better rank of the two).
 
-    The engine hands every prompt query's attention column sums and the queries of the window; in a
-    decode pass, the window's generated queries and their column sums."""
+    The engine hands every prompt query's attention column sums (or the queries) and the window's queries;
+    in a decode pass, the window's generated queries and their column sums."""
 
     reads = Inputs(window=True, attention=True)
 
-    def split(self, prompt: PromptKV, budget: int) -> Split | None:
-        if budget <= self.window:
-            return None
-        return Split(0, min(prompt.window_queries.shape[1], self.window), self.window)
-
     def scores(self, prompt: PromptKV, observation=None) -> torch.Tensor:
-        queries = prompt.window_queries[:, -self.window :]
-        window = window_scores(prompt.keys, queries, self.pool_kernel, self.pool_shift, self.group_scores)
+        window = prompt.across_heads(super().scores(prompt))
         heavy = group_mean(prompt_column_sums(prompt), prompt.num_heads)[:, : window.shape[1]]
-        ranks = torch.maximum(layer_ranks(prompt.across_heads(window)), layer_ranks(prompt.across_heads(heavy)))
-        return prompt.local(ranks)
+        return prompt.local(torch.maximum(layer_ranks(window), layer_ranks(prompt.across_heads(heavy))))
 
 
 AdaHeavy = compose(

@@ -94,8 +94,8 @@ def test_adamix_without_keydiff_is_adasnap_with_its_pooling(prompt):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_adaheavy_allocates_over_the_union_of_window_and_h2o_ranks(seed):
-    """Every prompt query handed over (as the GPU ops do), or the column sums with the window's queries
-    alone (as the CPU ops sum prompt chunks): the same tokens kept, the reference's."""
+    """The window's queries with every prompt query (as the GPU ops hand them), or with the column sums
+    (as the CPU ops sum prompt chunks): the same tokens kept, the reference's."""
     gen = torch.Generator().manual_seed(seed)
     length, shift = 150, 2
     keys = torch.randn(H, length, D, generator=gen)
@@ -105,7 +105,7 @@ def test_adaheavy_allocates_over_the_union_of_window_and_h2o_ranks(seed):
     scores = torch.maximum(window, reference_layer_ranks(heavy[:, : window.shape[1]]))
     expected = reference_keep(reference_ada_counts(scores, BUDGET - WINDOW, 0.5), scores, length, WINDOW)
     policy = make_policy("adaheavy", window=WINDOW, pool_kernel=KERNEL, pool_shift=shift)
-    every_query = PromptKV(keys, queries, layer=0, num_layers=4, queries=queries)
+    every_query = PromptKV(keys, queries[:, -WINDOW:], layer=0, num_layers=4, queries=queries)
     assert as_lists(policy.keep(every_query, BUDGET)) == expected
     sums = attention_column_sums(keys, queries)
     summed = PromptKV(keys, queries[:, -WINDOW:], layer=0, num_layers=4, queries=queries[:, -WINDOW:], column_sums=sums)

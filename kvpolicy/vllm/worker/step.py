@@ -149,8 +149,8 @@ class Relocation:
     Both are None for an eviction pass over a request already relocated
     (prompt chunks, decode): each layer's cache so far, to its own budget.
     ``policy``: the request's (the server's, or one of its family by ``kv_policy``).
-    ``summed_queries``: the first of its stashed queries whose attention is in its column sums already
-    (the window's of summed chunks, a policy's that reads both).
+    ``summed_queries``: how many of its stashed queries, the first ones, are in its column sums already
+    (the window's of summed chunks, for a policy that reads both).
     """
 
     req_id: str

@@ -170,7 +170,8 @@ class PerHeadPath(ModePath):
                 column_sums = from_queries if column_sums is None else column_sums + from_queries
         prompt = PromptKV(
             keys,
-            window_queries=queries if policy.inputs.window else None,
+            # The window's queries alone, for a policy that is handed every prompt query as well.
+            window_queries=queries[:, -policy.window :] if policy.inputs.window and queries is not None else None,
             layer=layer_idx,
             num_layers=relocation.pages.num_layers,
             queries=queries if policy.inputs.attention else None,

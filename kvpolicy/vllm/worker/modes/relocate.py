@@ -80,6 +80,12 @@ class _Draft:
     summed_rows: list[int] = field(default_factory=list)
 
 
+def _last_prompt_positions(row: Row, window: int) -> tuple[int, int]:
+    """The positions of a row's chunk among its prompt's last ``window``: ``start`` to ``end`` (empty if none)."""
+    start = max(row.prompt_len - window, row.start)
+    return start, max(min(row.seq_len, row.prompt_len), start)
+
+
 @dataclass(frozen=True)
 class RelocationPlan:
     """``Relocate.plan`` of one request in one step."""
@@ -422,8 +428,8 @@ class Relocate(ModeState[RelocatedRequest]):
         that reads both is handed too (their attention is in the column sums already)."""
         if not self.policy.inputs.window:
             return 0
-        start = max(row.start, row.prompt_len - self.policy.window)
-        return max(min(row.seq_len, row.prompt_len) - start, 0)
+        start, end = _last_prompt_positions(row, self.policy.window)
+        return end - start
 
     def _window_tokens(self, row: Row) -> torch.Tensor:
         """Batch indices of this chunk's tokens whose queries the policy scores with.
@@ -437,9 +443,8 @@ class Relocate(ModeState[RelocatedRequest]):
             window = self.policy.window
         else:
             return torch.zeros(0, dtype=torch.int64)
-        window_start = max(row.prompt_len - window, row.start)
-        window_end = max(min(row.seq_len, row.prompt_len), window_start)
-        return torch.arange(row.first_token + window_start - row.start, row.first_token + window_end - row.start)
+        start, end = _last_prompt_positions(row, window)
+        return torch.arange(row.first_token + start - row.start, row.first_token + end - row.start)
 
     @staticmethod
     def plan(step: RequestStep) -> RelocationPlan | None:
