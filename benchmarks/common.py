@@ -79,9 +79,12 @@ def forcing_processor():
 
 
 def _option_value(text: str):
-    """A spec's option value as the config field wants it: a boolean, an int, a float, or the text."""
+    """A spec's option value as the config field wants it: a boolean, an int, a float, layers joined by ``+``
+    (``filter_layers=2+9+17``: commas separate a spec's options), or the text."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
+    if "+" in text.strip("+") and all(part.isdigit() for part in text.split("+")):
+        return tuple(int(part) for part in text.split("+"))
     for convert in (int, float):
         try:
             return convert(text)

@@ -2,6 +2,7 @@
 
     python benchmarks/long_output_quality.py           # 8 prompts of 200 tokens, 1,024 output tokens, budget 256
     python benchmarks/long_output_quality.py --quick   # 2 prompts, 512 output tokens, budget 128
+    python benchmarks/long_output_quality.py --policies omnikv:filter_layers=2+9+17 --block-size 32   # 32-token pages
 
 Each prompt is within the budget, so a policy compresses only once decode takes the cache past it
 (``--kv-decode-buffer``, default one page). Three measures against the full cache (stock vLLM), same prompts:
@@ -83,7 +84,7 @@ def make_tasks(tokenizer, prompts: int, output_len: int, seed: int) -> dict:
     return {"prompts": base, "recall": recall, "output_len": output_len}
 
 
-def run_engine(tasks: dict, policy: str, budget: int | None, score: list | None) -> dict:
+def run_engine(tasks: dict, policy: str, budget: int | None, score: list | None, block_size: int | None = None) -> dict:
     """One engine, in this process. With ``score``: the full cache's log-probabilities of each (prompt, output);
     otherwise the greedy outputs, the forced run along ``tasks["reference"]`` (a policy) and the recall answers."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the forcing processor is defined in this process
@@ -102,6 +103,7 @@ def run_engine(tasks: dict, policy: str, budget: int | None, score: list | None)
         kv_cache_memory_bytes=1 << 30,
         seed=0,
         logits_processors=[forcing_processor()],
+        **({} if block_size is None else {"block_size": block_size}),
         **({} if policy == "stock" else {**policy_options(policy), "kv_budget": budget}),
     )
     if score is not None:
@@ -149,10 +151,13 @@ def run_engine(tasks: dict, policy: str, budget: int | None, score: list | None)
     return results
 
 
-def in_engine(work: Path, tasks: dict, policy: str, budget: int | None, score: list | None = None) -> dict:
+def in_engine(
+    work: Path, tasks: dict, policy: str, budget: int | None, score: list | None = None, block_size: int | None = None
+) -> dict:
     """``run_engine`` in a fresh process (each engine its own, as in the other benchmarks)."""
     path = work / f"{policy}.in.json"
-    path.write_text(json.dumps({"tasks": tasks, "policy": policy, "budget": budget, "score": score}))
+    spec = {"tasks": tasks, "policy": policy, "budget": budget, "score": score, "block_size": block_size}
+    path.write_text(json.dumps(spec))
     out = work / f"{policy}.out.json"
     proc = subprocess.run([sys.executable, __file__, "--run-one", str(path), str(out)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -197,6 +202,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None, help="default: a quarter of --output-len")
     parser.add_argument("--seed", type=int, default=2, help="prompts and keys (1: the tuning prompts)")
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM's page size (default: the platform's)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--run-one", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -204,7 +210,8 @@ def main() -> int:
     if args.run_one:
         source, out = args.run_one
         spec = json.loads(Path(source).read_text())
-        Path(out).write_text(json.dumps(run_engine(spec["tasks"], spec["policy"], spec["budget"], spec["score"])))
+        run = run_engine(spec["tasks"], spec["policy"], spec["budget"], spec["score"], spec["block_size"])
+        Path(out).write_text(json.dumps(run))
         return 0
 
     from tqdm import tqdm
@@ -220,16 +227,16 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
 
     with tqdm(total=len(args.policies) + 2, desc="engines", unit="engine") as progress:
-        full = in_engine(work, tasks, "stock", None)
+        full = in_engine(work, tasks, "stock", None, block_size=args.block_size)
         progress.update()
         tasks["reference"] = [run["token_ids"] for run in full["greedy"]]
         runs = {}
         for policy in args.policies:
-            runs[policy] = in_engine(work, tasks, policy, budget)
+            runs[policy] = in_engine(work, tasks, policy, budget, block_size=args.block_size)
             progress.update()
         texts = [full["greedy"], *(run["greedy"] for run in runs.values())]
         pairs = [[p, o["token_ids"]] for outputs in texts for p, o in zip(tasks["prompts"], outputs)]
-        scored = in_engine(work, tasks, "stock", None, score=pairs)["loglik"]
+        scored = in_engine(work, tasks, "stock", None, score=pairs, block_size=args.block_size)["loglik"]
         progress.update()
     for path in work.iterdir():
         path.unlink()
@@ -266,6 +273,7 @@ def main() -> int:
         "output_len": output_len,
         "budget": budget,
         "decode_buffer": "default (one page)",
+        "block_size": args.block_size or "platform default",
         "depths": DEPTHS,
         "seed": args.seed,
         "recall_solvable": full_recall["recall"] >= SOLVABLE,

@@ -136,6 +136,7 @@ def test_policy_specs_carry_typed_options_and_their_own_budget():
     ]
     assert policy_options("adamix:mix=1,alpha=0.5") == {"kv_policy": "adamix", "kv_mix": 1, "kv_alpha": 0.5}
     assert policy_options("d2o:merge=false") == {"kv_policy": "d2o", "kv_merge": False}
+    assert policy_options("omnikv:filter_layers=2+14+17") == {"kv_policy": "omnikv", "kv_filter_layers": (2, 14, 17)}
 
 
 def test_summary_averages_only_where_the_full_cache_is_reliable():
