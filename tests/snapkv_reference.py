@@ -14,6 +14,14 @@ import math
 import torch
 
 
+def reference_pool(row, kernel, shift=0):
+    """Each position's max over ``j - kernel//2 - shift .. j + kernel//2 - shift`` within the row."""
+    n = len(row)
+    return [
+        max(row[i] for i in range(j - kernel // 2 - shift, j + kernel // 2 - shift + 1) if 0 <= i < n) for j in range(n)
+    ]
+
+
 def reference_scores(keys, queries, window, kernel, shift=0, group="mean"):
     H, length, D = keys.shape
     G = queries.shape[0] // H
@@ -35,8 +43,7 @@ def reference_scores(keys, queries, window, kernel, shift=0, group="mean"):
                 total = sum(exps)
                 for j in range(prefix):
                     summed[j] += exps[j] / total
-            reach = [range(j - kernel // 2 - shift, j + kernel // 2 - shift + 1) for j in range(prefix)]
-            per_query_head.append([max(summed[i] for i in span if 0 <= i < prefix) for span in reach])
+            per_query_head.append(reference_pool(summed, kernel, shift))
         for j in range(prefix):
             column = [pooled[j] for pooled in per_query_head]
             scores[h, j] = max(column) if group == "max" else sum(p / G for p in column)

@@ -23,6 +23,15 @@ from kvpolicy.policies.compose import HeadAllocator, LayerAllocator, Scorer, Spl
 from kvpolicy.policies.options import not_negative, one_of, option, positive, positive_odd, unit_interval
 
 
+def shifted_max_pool(scores: torch.Tensor, kernel: int, shift: int = 0) -> torch.Tensor:
+    """[rows, n] scores max-pooled along n: position j gets the max over ``j - kernel//2 - shift ..
+    j + kernel//2 - shift``, clipped to the row (a shift spreads a high score over more of the tokens after it)."""
+    # Padded by the reach back on both sides, pooled, then cut to the row: output j covers the range above.
+    reach = kernel // 2 + shift
+    padded = F.pad(scores[:, None], (reach, reach), value=float("-inf"))
+    return F.max_pool1d(padded, kernel_size=kernel, stride=1)[:, 0, : scores.shape[1]]
+
+
 def window_scores(
     keys: torch.Tensor, window_queries: torch.Tensor, pool_kernel: int, pool_shift: int = 0, group_scores: str = "mean"
 ) -> torch.Tensor:
@@ -43,11 +52,7 @@ def window_scores(
     future = torch.arange(length, device=keys.device)[None, :] > query_pos[:, None]
     logits = logits.masked_fill(future[None], float("-inf"))
     weights = logits.softmax(dim=-1)[:, :, : length - window].sum(dim=1)
-    # Padded by the reach back on both sides, pooled, then cut to the prefix: output j covers the range above.
-    reach = pool_kernel // 2 + pool_shift
-    padded = F.pad(weights[:, None], (reach, reach), value=float("-inf"))
-    pooled = F.max_pool1d(padded, kernel_size=pool_kernel, stride=1)[:, 0, : length - window]
-    per_query_head = pooled.view(kv_heads, group, -1)
+    per_query_head = shifted_max_pool(weights, pool_kernel, pool_shift).view(kv_heads, group, -1)
     return per_query_head.amax(dim=1) if group_scores == "max" else per_query_head.mean(dim=1)
 
 

@@ -42,6 +42,7 @@ def test_the_flags_are_todays():
         "alpha",
         "mix",
         "combine",
+        "pool_heavy",
         "importance_weight",
         "duplicate_similarity",
         "sink_tokens",

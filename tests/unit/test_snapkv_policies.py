@@ -15,6 +15,7 @@ from tests.snapkv_reference import (
     reference_keep,
     reference_layer_ranks,
     reference_mix_scores,
+    reference_pool,
     reference_pyramid,
     reference_scores,
 )
@@ -92,19 +93,22 @@ def test_adamix_without_keydiff_is_adasnap_with_its_pooling(prompt):
     assert as_lists(adamix) == as_lists(adasnap.keep(prompt, BUDGET))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_adaheavy_allocates_over_the_union_of_window_and_h2o_ranks(seed):
+@pytest.mark.parametrize("seed, pool_heavy", [(0, True), (1, True), (0, False)])
+def test_adaheavy_allocates_over_the_union_of_window_and_h2o_ranks(seed, pool_heavy):
     """The window's queries with every prompt query (as the GPU ops hand them), or with the column sums
-    (as the CPU ops sum prompt chunks): the same tokens kept, the reference's."""
+    (as the CPU ops sum prompt chunks): the same tokens kept, the reference's; H2O's scores pooled as the
+    window's, or not."""
     gen = torch.Generator().manual_seed(seed)
     length, shift = 150, 2
     keys = torch.randn(H, length, D, generator=gen)
     queries = torch.randn(H * G, length, D, generator=gen) * 2
     window = reference_layer_ranks(reference_scores(keys, queries[:, -WINDOW:], WINDOW, KERNEL, shift, "max"))
-    heavy = torch.tensor(reference_h2o_scores(keys.tolist(), queries.tolist()), dtype=torch.float64)
-    scores = torch.maximum(window, reference_layer_ranks(heavy[:, : window.shape[1]]))
+    heavy = [row[: window.shape[1]] for row in reference_h2o_scores(keys.tolist(), queries.tolist())]
+    if pool_heavy:
+        heavy = [reference_pool(row, KERNEL, shift) for row in heavy]
+    scores = torch.maximum(window, reference_layer_ranks(torch.tensor(heavy, dtype=torch.float64)))
     expected = reference_keep(reference_ada_counts(scores, BUDGET - WINDOW, 0.5), scores, length, WINDOW)
-    policy = make_policy("adaheavy", window=WINDOW, pool_kernel=KERNEL, pool_shift=shift)
+    policy = make_policy("adaheavy", window=WINDOW, pool_kernel=KERNEL, pool_shift=shift, pool_heavy=pool_heavy)
     every_query = PromptKV(keys, queries[:, -WINDOW:], layer=0, num_layers=4, queries=queries)
     assert as_lists(policy.keep(every_query, BUDGET)) == expected
     sums = attention_column_sums(keys, queries)
