@@ -83,8 +83,9 @@ def _option_value(text: str):
     (``filter_layers=2+9+17``: commas separate a spec's options), or the text."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
-    if "+" in text.strip("+") and all(part.isdigit() for part in text.split("+")):
-        return tuple(int(part) for part in text.split("+"))
+    layers = text.split("+")
+    if len(layers) > 1 and all(layer.isdigit() for layer in layers):
+        return tuple(map(int, layers))
     for convert in (int, float):
         try:
             return convert(text)

@@ -41,14 +41,11 @@ def key_positions(item: dict, tokenizer) -> list[int]:
 def page_ranks(attentions, positions: list[int], page_size: int) -> list[int]:
     """Per layer: the best rank of a page holding ``positions`` among the pages before the current one, ranked by
     the last token's attention, max over heads, summed per page."""
-    import torch
+    from kvpolicy.policies.omnikv import page_sums
 
     ranks = []
     for layer in attentions:
-        scores = layer[0, :, -1, :].amax(dim=0)
-        length = scores.shape[0]
-        pages = torch.zeros(-(-length // page_size), dtype=scores.dtype)
-        pages.index_add_(0, torch.arange(length) // page_size, scores)
+        pages = page_sums(layer[0, :, -1:, :].amax(dim=0), page_size)[0]
         order = pages[:-1].argsort(descending=True).tolist()
         ranks.append(min(order.index(p) for p in {p // page_size for p in positions} if p < len(order)))
     return ranks

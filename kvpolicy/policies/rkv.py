@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvpolicy.policies.base import PromptKV
 from kvpolicy.policies.compose import compose
 from kvpolicy.policies.options import option, unit_interval
-from kvpolicy.policies.snapkv import WindowScorer
+from kvpolicy.policies.snapkv import WindowScorer, shifted_max_pool
 
 #: Rows of the cosine matrix built at a time: a long prompt's n x n matrix never exists whole.
 SIMILARITY_ROWS = 256
@@ -37,7 +37,7 @@ def importance_scores(keys: torch.Tensor, window_queries: torch.Tensor, pool_ker
     queries = window_queries.double().view(kv_heads, q_heads // kv_heads, window, dim)
     logits = torch.einsum("hgwd,hld->hgwl", queries, keys[:, :prefix].double()) / math.sqrt(dim)
     weights = logits.amax(dim=1).softmax(dim=-1).mean(dim=1)
-    return F.max_pool1d(weights[:, None], pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0]
+    return shifted_max_pool(weights, pool_kernel)
 
 
 def redundancy_scores(keys: torch.Tensor, threshold: float) -> torch.Tensor:
