@@ -162,8 +162,9 @@ def judge_kv_memory_by(request_bound: Callable[[object], int | None]) -> None:
             setattr(kv_cache_utils, name, replaced)
 
 
-def reserve_for_admissions(kv_cache_manager, reserved: Callable[[Any], int]) -> None:
-    """Admit a request (one that holds no block yet) only if ``reserved(request)`` blocks stay free besides.
+def reserve_for_admissions(kv_cache_manager, reserved: Callable[[Any, int], int]) -> None:
+    """Admit a request (one that holds no block yet) only if ``reserved(request, tokens)`` blocks stay free
+    besides, ``tokens`` being those its slots cover once this allocation is made (a first prompt chunk).
 
     ``KVCacheManager.allocate_slots`` already takes ``reserved_blocks``, blocks an allocation must leave
     free; the scheduler passes it only for asynchronous KV loads. Running requests' allocations are left
@@ -173,10 +174,11 @@ def reserve_for_admissions(kv_cache_manager, reserved: Callable[[Any], int]) -> 
     holders = kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
 
     @functools.wraps(allocate)
-    def allocate_slots(request, *args, reserved_blocks: int = 0, **kwargs):
+    def allocate_slots(request, num_new_tokens, *args, reserved_blocks: int = 0, **kwargs):
         if request.request_id not in holders:
-            reserved_blocks += reserved(request)
-        return allocate(request, *args, reserved_blocks=reserved_blocks, **kwargs)
+            computed = kwargs.get("num_new_computed_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
+            reserved_blocks += reserved(request, request.num_computed_tokens + computed + num_new_tokens)
+        return allocate(request, num_new_tokens, *args, reserved_blocks=reserved_blocks, **kwargs)
 
     kv_cache_manager.allocate_slots = allocate_slots
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.server import vllm_server
+from kvpolicy.offline.model import prepare_tiny
 from tests.conftest import XDIST_WORKER_ENV
 
 SERVED_NAME = "smollm2"
@@ -74,6 +75,20 @@ def engine_run(model_path, tmp_path_factory, forked):
         return stderr_file.read_text() if fails else json.loads(out.read_text())
 
     return run
+
+
+#: ``--pool-mib`` for ``mib_block_model``: 17 blocks, one of which vLLM keeps back, so 16 (2,048 tokens) for the
+#: default prompts' 23: the real model's 96 MiB, block for block.
+POOL_16_BLOCKS = ("--pool-mib", "17")
+
+
+@pytest.fixture(scope="session")
+def mib_block_model() -> Path:
+    """A random-weight Llama whose 128-token block is 1 MiB (8 layers, 4 KV heads of 32 and GQA groups of two, in
+    float32), for the tests of a pool too small for the prompts (preemption, offload, a prompt three times the
+    pool): the scheduler sees blocks, not the model, so ``--pool-mib N`` plays out as N of the real model's 5.6-MiB
+    blocks, at a twentieth of its compute (about 40 s a run becomes a few)."""
+    return prepare_tiny(num_layers=8, num_heads=8, num_kv_heads=4, head_size=32)
 
 
 def shared_prefix_args(policy: str, *flags: str) -> tuple[str, ...]:

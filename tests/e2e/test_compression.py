@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvpolicy.policies import PromptKV, make_policy
+from tests.e2e.conftest import POOL_16_BLOCKS
 from tests.e2e.engine_run import PROMPT_LENS
 from tests.snapkv_reference import reference_ada_counts, reference_keep, reference_pyramid, reference_scores
 
@@ -130,21 +131,20 @@ def test_kept_indices_on_captured_tensors_equal_the_reference(captured, layer):
     assert [k.tolist() for k in pyramid] == reference_keep([capacity] * heads, scores, length, WINDOW)
 
 
-#: A 16-block pool (2,048 tokens) for the default prompts (23 blocks in all).
-POOL_16_BLOCKS = ("--pool-mib", "96")
-#: That pool and 200 output tokens each: vLLM must preempt and recompute.
+#: A 16-block pool of ``mib_block_model`` and 200 output tokens each: vLLM must preempt and recompute.
 TIGHT = (*POOL_16_BLOCKS, "--max-tokens", "200")
 
 
-def test_preempted_relocated_requests_recompute_like_stock(engine_run):
-    """identity relocates but drops nothing, so through preemption it must give stock vLLM's tokens.
+def test_preempted_relocated_requests_recompute_like_stock(engine_run, mib_block_model):
+    """identity relocates but drops nothing, so through preemption it must give stock vLLM's tokens. With
+    vLLM's admission (``--no-reserve-growth``): kvpolicy's would keep its growth free and not preempt.
 
     Not bitwise in logprobs: stock vLLM itself is not, run to run, once it
     preempts (we saw the last steps of a request differ between two stock runs).
     """
     preempting = (*POOL_16_BLOCKS, "--max-tokens", "150")  # stock preempts by 150 tokens
-    stock = engine_run("--stock", *preempting)
-    identity = engine_run("--policy", "identity", *preempting)
+    stock = engine_run("--stock", *preempting, model=mib_block_model)
+    identity = engine_run("--policy", "identity", *preempting, "--no-reserve-growth", model=mib_block_model)
     assert stock["preemptions"] > 0 and identity["preemptions"] == stock["preemptions"]
     for i, (a, b) in enumerate(zip(stock["requests"], identity["requests"])):
         assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
@@ -154,8 +154,10 @@ def test_preempted_relocated_requests_recompute_like_stock(engine_run):
     assert identity["kv_cache_usage_end"] == 0.0
 
 
-def test_preemption_recompresses_and_returns_every_block(engine_run):
-    run = engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT, "--no-reserve-growth")
+def test_preemption_recompresses_and_returns_every_block(engine_run, mib_block_model):
+    run = engine_run(
+        "--policy", "adasnap", "--budget", str(BUDGET), *TIGHT, "--no-reserve-growth", model=mib_block_model
+    )
     compressible = sum(n > BUDGET for n in PROMPT_LENS)
     assert run["preemptions"] > 0
     assert run["counters"]["compressed_requests"] > compressible, "a preempted request is compressed again"
@@ -163,10 +165,11 @@ def test_preemption_recompresses_and_returns_every_block(engine_run):
     assert run["kv_cache_usage_end"] == 0.0
 
 
-def test_admission_that_reserves_growth_leaves_nothing_to_preempt(engine_run):
+def test_admission_that_reserves_growth_leaves_nothing_to_preempt(engine_run, mib_block_model):
     """The same tight pool: admitting only while compressed requests' growth stays free, vLLM never preempts."""
-    run = engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT)
+    adasnap = ("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT)
+    run = engine_run(*adasnap, model=mib_block_model)
     assert run["preemptions"] == 0
-    assert engine_run("--policy", "adasnap", "--budget", str(BUDGET), *TIGHT, "--no-reserve-growth")["preemptions"] > 0
+    assert engine_run(*adasnap, "--no-reserve-growth", model=mib_block_model)["preemptions"] > 0
     assert all(len(r["token_ids"]) == 200 for r in run["requests"])
     assert run["kv_cache_usage_end"] == 0.0

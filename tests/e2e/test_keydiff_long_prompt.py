@@ -5,15 +5,15 @@ vLLM refuses to start."""
 import math
 
 BUDGET, CHUNK, BLOCK = 256, 512, 128
-#: 96 MiB of float32 KV for SmolLM2-135M: 17 blocks, 2,176 tokens.
-POOL = ("--pool-mib", "96", "--max-model-len", "8192", "--chunk", str(CHUNK))
+#: 17 MiB of ``mib_block_model``'s KV: 17 blocks, 2,176 tokens.
+POOL = ("--pool-mib", "17", "--max-model-len", "8192", "--chunk", str(CHUNK))
 POOL_TOKENS = 2176
 LONG = 6600
 OUTPUT = 160
-LAYERS_X_HEADS = 30 * 3
+LAYERS_X_HEADS = 8 * 4
 
 
-def test_keydiff_completes_a_prompt_three_times_the_pool(engine_run):
+def test_keydiff_completes_a_prompt_three_times_the_pool(engine_run, mib_block_model):
     assert LONG > 3 * POOL_TOKENS
     run = engine_run(
         "--policy",
@@ -25,6 +25,7 @@ def test_keydiff_completes_a_prompt_three_times_the_pool(engine_run):
         str(LONG),
         "--max-tokens",
         str(OUTPUT),
+        model=mib_block_model,
     )
     counters = run["counters"]
     assert len(run["requests"][0]["token_ids"]) == OUTPUT
@@ -36,6 +37,8 @@ def test_keydiff_completes_a_prompt_three_times_the_pool(engine_run):
     assert run["kv_cache_usage_end"] == 0.0
 
 
-def test_stock_path_refuses_the_same_pool_with_vllms_message(engine_run):
-    stderr = engine_run("--policy", "none", *POOL, "--prompt-lens", str(LONG), "--max-tokens", "16", fails=True)
+def test_stock_path_refuses_the_same_pool_with_vllms_message(engine_run, mib_block_model):
+    stderr = engine_run(
+        "--policy", "none", *POOL, "--prompt-lens", str(LONG), "--max-tokens", "16", fails=True, model=mib_block_model
+    )
     assert "To serve at least one request with the model's max seq len (8192)" in stderr

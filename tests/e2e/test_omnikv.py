@@ -2,6 +2,7 @@
 the sparse layers really read fewer pages; a filter layer the model lacks is refused at startup. With
 --kv-offload the outputs stay the same while blocks go back to vLLM, through preemption too."""
 
+from tests.e2e.conftest import POOL_16_BLOCKS
 from tests.e2e.engine_run import PROMPT_LENS
 
 #: Below the longest request (1100 prompt + 24 output tokens), so its decode takes the sparse path, yet
@@ -66,22 +67,22 @@ def test_requests_the_host_pool_cannot_take_stay_resident_beside_offloaded_ones(
         assert a == b, f"request {i}: tokens or logprobs differ in a batch of offloaded and resident rows"
 
 
-#: A 16-block pool (2,048 tokens) for the default prompts (23 blocks in all) and 150 output tokens each.
-TIGHT = ("--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "150")
+#: A 16-block pool of ``mib_block_model`` for the default prompts (23 blocks in all) and 150 output tokens each; its
+#: 8 layers as the default model's 30: the first dense, filter layers that attend to everything, the rest sparse.
+TIGHT = ("--policy", "omnikv", "--budget", "256", "--dense-layers", "1", "--filter-layers", "1,4", *POOL_16_BLOCKS)
 
 
-def test_blocks_offload_returns_let_vllm_run_without_preempting(engine_run):
-    resident, offloaded = engine_run(*TIGHT), engine_run(*TIGHT, "--offload", "1")
+def test_blocks_offload_returns_let_vllm_run_without_preempting(engine_run, mib_block_model):
+    resident = engine_run(*TIGHT, "--max-tokens", "150", model=mib_block_model)
+    offloaded = engine_run(*TIGHT, "--max-tokens", "150", "--offload", "1", model=mib_block_model)
     assert resident["preemptions"] > 0, "the resident path needs more blocks than the pool has"
     assert offloaded["preemptions"] == 0 and offloaded["counters"]["released_blocks"] > 0
     for i, (a, b) in enumerate(zip(resident["requests"], offloaded["requests"])):
         assert a["token_ids"] == b["token_ids"], f"request {i}: tokens differ"
 
 
-def test_preempted_offloaded_requests_are_offloaded_again_and_every_block_returns(engine_run):
-    run = engine_run(
-        "--policy", "omnikv", "--budget", "256", "--pool-mib", "96", "--max-tokens", "350", "--offload", "1"
-    )
+def test_preempted_offloaded_requests_are_offloaded_again_and_every_block_returns(engine_run, mib_block_model):
+    run = engine_run(*TIGHT, "--max-tokens", "350", "--offload", "1", model=mib_block_model)
     assert run["preemptions"] > 0
     assert run["counters"]["offloaded_requests"] > 3, "a recomputed request moves to the host pool again"
     assert run["kv_cache_usage_end"] == 0.0

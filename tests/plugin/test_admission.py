@@ -48,3 +48,14 @@ def test_requests_that_finish_first_give_back_what_the_others_still_need():
     # The worst moment is just before the early one finishes: 2 + 2 blocks taken; after it, 8 - 12 < 4.
     assert blocks_to_reserve([early, late], 128) == 4
     assert blocks_to_reserve([late, late], 128) == 16
+
+
+def test_a_prompt_being_read_reserves_the_rest_of_it_or_what_it_grows_to_after_its_rewrite():
+    from kvpolicy.vllm.scheduler.reservations import blocks_to_read
+
+    # 1,100 tokens admitted with a 256-token chunk (2 blocks): 7 more until its read ends, the worst moment,
+    # since after it it keeps 3 and appends 2 (1,300 tokens fill 11).
+    assert blocks_to_read(read=1100, kept=3, final=1300, table=2, block_size=128) == 7
+    # 256 tokens kept in 2 blocks that grow to 456 (4 more entries, 2 appended): 2 + 2 = 4 at its end.
+    assert blocks_to_read(read=256, kept=2, final=456, table=1, block_size=128) == 3
+    assert blocks_to_read(read=256, kept=2, final=256, table=2, block_size=128) == 0

@@ -27,7 +27,7 @@ from kvpolicy.vllm.messages import BlockReleases, KVPolicyConnectorMetadata
 from kvpolicy.vllm.metrics import PER_REQUEST, KVPolicyPromMetrics, KVPolicyStats
 from kvpolicy.vllm.patches import reserve_for_admissions
 from kvpolicy.vllm.scheduler.request_modes import RequestModes
-from kvpolicy.vllm.scheduler.reservations import GrowingRequest, blocks_to_reserve
+from kvpolicy.vllm.scheduler.reservations import GrowingRequest, blocks_to_read, blocks_to_reserve
 from kvpolicy.vllm.scheduler.rewrite_bounds import RewriteBound
 from kvpolicy.vllm.scheduler.rewrite_history import RELOCATIONS
 from kvpolicy.vllm.worker.state import WorkerState
@@ -71,11 +71,12 @@ class KVPolicyConnector(KVConnectorBase_V1):
         if config is not None and config.rewrites_blocks and vllm_config.scheduler_config.async_scheduling:
             self._rewrites = RewriteBound(self._modes)
 
-    def growth_blocks(self, admitting=None) -> int:
-        """Blocks to keep free for relocated requests' growth up to their ``max_tokens`` (``blocks_to_reserve``).
-        A request decode compresses takes at most the blocks vLLM appends between two of its passes, and one
-        still in vLLM's layout (in ``_reading``, its prompt read or not) those it grows by until its first
-        pass; so does the request being admitted (``admitting``), past the blocks its prompt takes now."""
+    def growth_blocks(self, admitting=None, admitted_tokens: int = 0) -> int:
+        """Blocks to keep free for compressed requests' growth up to their ``max_tokens`` (``blocks_to_reserve``),
+        and for those still in vLLM's layout (in ``_reading``, their prompt read or not, and the one being
+        admitted with slots for ``admitted_tokens``): the blocks they take until their first decode pass, or
+        until their prompt is read and after it (``_still_to_take``). A request decode compresses takes at
+        most the blocks vLLM appends between two of its passes."""
         growing, decoding = [], 0
         for req_id, request in self._relocated.items():
             held = held_blocks(self._kv_cache_manager, req_id)
@@ -85,23 +86,31 @@ class KVPolicyConnector(KVConnectorBase_V1):
             if passes is not None:
                 decoding += passes.blocks_between_passes(self._block_size)
                 continue
-            final = min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
-            growing.append(GrowingRequest(*held, request.num_tokens, max(final - request.num_tokens, 0)))
+            growing.append(GrowingRequest(*held, request.num_tokens, max(self._final(request) - request.num_tokens, 0)))
         for req_id, request in self._reading.items():
             held = held_blocks(self._kv_cache_manager, req_id)
             if held is not None:
-                decoding += self._growth_to_first_pass(request, held[1])
+                decoding += self._still_to_take(request, held[1])
         if admitting is not None:
-            decoding += self._growth_to_first_pass(admitting, -(-admitting.num_tokens // self._block_size))
+            decoding += self._still_to_take(admitting, -(-admitted_tokens // self._block_size))
         return blocks_to_reserve(growing, self._block_size) + decoding
 
-    def _growth_to_first_pass(self, request, table: int) -> int:
-        """Blocks a request decode will compress appends past the ``table`` it holds until its first pass."""
+    def _final(self, request) -> int:
+        return min(request.num_prompt_tokens + request.max_tokens, self._max_model_len)
+
+    def _still_to_take(self, request, table: int) -> int:
+        """Blocks a request in vLLM's layout takes past the ``table`` it has: until its first decode pass (a
+        prompt within its budget); or, while its prompt is read, the rest of it and, once the read's rewrite
+        keeps fewer, what it appends (``blocks_to_read``)."""
         passes = self._modes.decode_passes(request)
-        if passes is None:
+        if passes is not None:
+            return max(passes.blocks_at_first_pass(self._final(request), self._block_size) - table, 0)
+        if request.num_computed_tokens >= request.num_tokens:
             return 0
-        final = request.num_prompt_tokens + request.max_tokens
-        return max(passes.blocks_at_first_pass(final, self._block_size) - table, 0)
+        kept = self._modes.kept_after_reading(request)
+        if kept is None:
+            return 0
+        return blocks_to_read(request.num_tokens, kept, self._final(request), table, self._block_size)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False

@@ -46,3 +46,12 @@ class RequestModes:
         """When decode compresses the request, as its mode decides (``ModeState.decode_passes``); None: never."""
         found = self.step(request, request.num_tokens, 1)
         return None if found is None else found[0].decode_passes(found[1])
+
+    def kept_after_reading(self, request) -> int | None:
+        """The blocks a request keeps once the step that completes its read rewrites them (its mode's
+        ``written_blocks``); None when that step rewrites none, or when its policy evicts at every prompt chunk
+        (it never holds its whole prompt: ``--kv-policy`` admission bounds it, ``startup/admission.py``)."""
+        found = self.step(request, request.num_tokens, 1)
+        if found is None or self.policy_of(request).schedule.per_chunk:
+            return None
+        return found[0].written_blocks(found[1])

@@ -1,8 +1,9 @@
 """Room the scheduler keeps free for requests that grow after compression.
 
 A relocated request holds its budget, then grows by a block per ``block_size`` generated tokens; vLLM
-admits new requests by free blocks alone. The connector reserves, at each admission
-(``patches.reserve_for_admissions``), the most blocks the running compressed requests will take at once.
+admits new requests by free blocks alone, and a prompt's first chunk's at that. The connector reserves, at each
+admission (``patches.reserve_for_admissions``), the most blocks the running compressed requests will take at once,
+and the blocks those still being read (the one admitted too) take until their prompt's end and after it.
 """
 
 from __future__ import annotations
@@ -38,3 +39,12 @@ def blocks_to_reserve(requests: list[GrowingRequest], block_size: int) -> int:
         returned = sum(r.live + r.appended(r.left, block_size) for r in requests if r.left < tokens)
         worst = max(worst, taken - returned)
     return worst
+
+
+def blocks_to_read(read: int, kept: int, final: int, table: int, block_size: int) -> int:
+    """Blocks a request still takes past the ``table`` it has while its ``read`` tokens are read (chunk by
+    chunk, each allocated as it comes), and after the read's rewrite keeps ``kept`` blocks of them, as it
+    appends up to ``final`` tokens: the worse of the two moments."""
+    read_blocks = -(-read // block_size)
+    appended = max(-(-final // block_size) - read_blocks, 0)
+    return max(max(read_blocks, kept + appended) - table, 0)
