@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvpolicy.policies.pod import LayerGroups, PoD
+from tests.e2e.conftest import POOL_16_BLOCKS
 from tests.e2e.engine_run import MAX_TOKENS, PROMPT_LENS
 
 BLOCK_SIZE = 128  # vLLM's CPU block size for this model
@@ -94,9 +95,18 @@ def test_pod_decode_is_eq_3_and_4_on_the_engine_tensors(engine_run):
     assert checked > 0
 
 
-def test_pod_recomputes_after_preemption_and_returns_every_block(engine_run):
+@pytest.fixture(scope="module")
+def paired_layer_groups(tmp_path_factory):
+    """``mib_block_model``'s 8 layers in blocks of two (the first and last alone), alike for its 4 KV heads."""
+    path = tmp_path_factory.mktemp("pod") / "paired.json"
+    path.write_text(json.dumps({"blocks": [[[0], [1, 2], [3, 4], [5, 6], [7]]] * 4}))
+    return str(path)
+
+
+def test_pod_recomputes_after_preemption_and_returns_every_block(engine_run, mib_block_model, paired_layer_groups):
     """A 16-block pool and 150 output tokens each: vLLM preempts, a recomputed request is laid out again."""
-    run = engine_run(*POD, "--pool-mib", "96", "--max-tokens", "150")
+    tight = ("--pod-groups", paired_layer_groups, *POOL_16_BLOCKS, "--max-tokens", "150")
+    run = engine_run(*POD, *tight, model=mib_block_model)
     assert run["preemptions"] > 0
     assert run["counters"]["pod_layouts"] > len(layout_lengths(150)), "a laid-out request was laid out again"
     assert all(len(r["token_ids"]) == 150 for r in run["requests"])
