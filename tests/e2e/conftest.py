@@ -87,7 +87,7 @@ def mib_block_model() -> Path:
     """A random-weight Llama whose 128-token block is 1 MiB (8 layers, 4 KV heads of 32 and GQA groups of two, in
     float32), for the tests of a pool too small for the prompts (preemption, offload, a prompt three times the
     pool): the scheduler sees blocks, not the model, so ``--pool-mib N`` plays out as N of the real model's 5.6-MiB
-    blocks, at a twentieth of its compute (about 40 s a run becomes a few)."""
+    blocks, at a twentieth of its compute (runs of 40-83 s took 6-21 s in the suite)."""
     return prepare_tiny(num_layers=8, num_heads=8, num_kv_heads=4, head_size=32)
 
 

@@ -50,7 +50,7 @@ class RequestModes:
     def kept_after_reading(self, request) -> int | None:
         """The blocks a request keeps once the step that completes its read rewrites them (its mode's
         ``written_blocks``); None when that step rewrites none, or when its policy evicts at every prompt chunk
-        (it never holds its whole prompt: ``--kv-policy`` admission bounds it, ``startup/admission.py``)."""
+        (it never holds its whole prompt, only its budget and a chunk: the bound of ``startup/admission.py``)."""
         found = self.step(request, request.num_tokens, 1)
         if found is None or self.policy_of(request).schedule.per_chunk:
             return None
