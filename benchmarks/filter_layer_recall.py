@@ -38,14 +38,16 @@ def key_positions(item: dict, tokenizer) -> list[int]:
     ]
 
 
-def page_ranks(attentions, positions: list[int], page_size: int) -> list[int]:
+def page_ranks(attentions, positions: list[int], page_size: int, selector: str = "last", window: int = 1) -> list[int]:
     """Per layer: the best rank of a page holding ``positions`` among the pages before the current one, ranked by
-    the last token's attention, max over heads, summed per page."""
-    from kvpolicy.policies.omnikv import page_sums
+    the attention of the last ``window`` tokens, max over heads, weighted by ``selector`` (§4.2), summed per page."""
+    from kvpolicy.policies.omnikv import page_sums, selector_weights
 
     ranks = []
     for layer in attentions:
-        pages = page_sums(layer[0, :, -1:, :].amax(dim=0), page_size)[0]
+        weights = selector_weights(selector, window, layer.device).to(layer.dtype)
+        scores = weights @ layer[0, :, -window:, :].amax(dim=0)
+        pages = page_sums(scores[None], page_size)[0]
         order = pages[:-1].argsort(descending=True).tolist()
         ranks.append(min(order.index(p) for p in {p // page_size for p in positions} if p < len(order)))
     return ranks
@@ -75,6 +77,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--pages", type=int, default=7, help="pages a budget reads besides the current one")
+    parser.add_argument("--selector", default="last", help="OmniKV's context selector: last, uniform, exponential")
+    parser.add_argument("--window", type=int, default=1, help="the selector's observation window (tokens)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -90,7 +94,9 @@ def main() -> int:
     for item in tqdm(items, desc="recall items", unit="item"):
         with torch.no_grad():
             out = model(torch.tensor([item["prompt"] + item["forced"]]), output_attentions=True)
-        per_item.append(page_ranks(out.attentions, key_positions(item, tokenizer), args.page_size))
+        per_item.append(
+            page_ranks(out.attentions, key_positions(item, tokenizer), args.page_size, args.selector, args.window)
+        )
     rows = []
     for layer, ranks in enumerate(zip(*per_item)):
         rows.append(
@@ -101,6 +107,8 @@ def main() -> int:
         "items": [{"depth": item["depth"], "key": item["key"]} for item in items],
         "page_size": args.page_size,
         "pages_read": args.pages,
+        "selector": args.selector,
+        "window": args.window,
         "output_len": args.output_len,
         "model": "SmolLM2-135M-Instruct (kvpolicy-model), Hugging Face transformers, eager attention, float32",
     }
