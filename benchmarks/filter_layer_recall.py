@@ -9,7 +9,8 @@ ranks it in decode (the max over query heads, summed over each page's tokens, eq
 current page, which is always read. A row per layer: the rank of the key's best page in each item (0: first), its
 worst over the items and how many items put it among the pages a budget reads (``--pages`` chosen pages). A filter
 layer that ranks it low lets the sparse layers after it read the key; one that ranks it high hides it from them.
-Writes ``benchmarks/results/filter_layer_recall_seed{seed}.json``, a table and a plot.
+Writes ``benchmarks/results/filter_layer_recall_seed{seed}.json`` (``_{selector}`` before ``.json`` for a window
+selector), a table and a plot.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packa
 
 from benchmarks.common import RESULTS_DIR, model_folder, write_results  # noqa: E402
 from benchmarks.long_output_quality import make_tasks  # noqa: E402
+from kvpolicy.policies.omnikv import SELECTORS  # noqa: E402
 
 COLUMNS = ["layer", "ranks", "worst", "read"]
 
@@ -77,7 +79,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--pages", type=int, default=7, help="pages a budget reads besides the current one")
-    parser.add_argument("--selector", default="last", help="OmniKV's context selector: last, uniform, exponential")
+    parser.add_argument("--selector", default="last", choices=SELECTORS, help="OmniKV's context selector (§4.2)")
     parser.add_argument("--window", type=int, default=1, help="the selector's observation window (tokens)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -112,7 +114,8 @@ def main() -> int:
         "output_len": args.output_len,
         "model": "SmolLM2-135M-Instruct (kvpolicy-model), Hugging Face transformers, eager attention, float32",
     }
-    out = args.out or RESULTS_DIR / f"filter_layer_recall_seed{args.seed}.json"
+    suffix = "" if args.selector == "last" else f"_{args.selector}"
+    out = args.out or RESULTS_DIR / f"filter_layer_recall_seed{args.seed}{suffix}.json"
     write_results(out, settings, rows, COLUMNS, plot)
     return 0
 
