@@ -23,7 +23,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after site-packa
 
 from benchmarks.common import RESULTS_DIR, model_folder, write_results  # noqa: E402
 from benchmarks.long_output_quality import make_tasks  # noqa: E402
-from kvpolicy.policies.omnikv import SELECTORS  # noqa: E402
+from kvpolicy.policies.omnikv import SELECTORS, page_sums, selector_weights  # noqa: E402
 
 COLUMNS = ["layer", "ranks", "worst", "read"]
 
@@ -43,8 +43,6 @@ def key_positions(item: dict, tokenizer) -> list[int]:
 def page_ranks(attentions, positions: list[int], page_size: int, selector: str = "last", window: int = 1) -> list[int]:
     """Per layer: the best rank of a page holding ``positions`` among the pages before the current one, ranked by
     the attention of the last ``window`` tokens, max over heads, weighted by ``selector`` (§4.2), summed per page."""
-    from kvpolicy.policies.omnikv import page_sums, selector_weights
-
     ranks = []
     for layer in attentions:
         weights = selector_weights(selector, window, layer.device).to(layer.dtype)
